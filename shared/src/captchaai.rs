@@ -1,0 +1,509 @@
+//! The CaptchaAI (2captcha v1 protocol) client: in.php to submit, res.php to read.
+
+use std::time::Duration;
+
+use secrecy::{ExposeSecret, SecretString};
+use serde::Deserialize;
+
+use crate::codes::{CodeClass, ErrorCode, classify};
+use crate::domain::{CaptchaId, CaptchaKind, ParseError, Solution};
+
+/// A captcha to solve, as the owner describes it in `POST /tasks`.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum SubmitRequest {
+    RecaptchaV2 {
+        sitekey: String,
+        pageurl: String,
+        #[serde(default)]
+        invisible: bool,
+        #[serde(default)]
+        data_s: Option<String>,
+        #[serde(default)]
+        browser: Browser,
+    },
+    RecaptchaV3 {
+        sitekey: String,
+        pageurl: String,
+        #[serde(default)]
+        action: Option<String>,
+        #[serde(default)]
+        min_score: Option<f32>,
+        #[serde(default)]
+        browser: Browser,
+    },
+    RecaptchaEnterprise {
+        sitekey: String,
+        pageurl: String,
+        /// `v3` for an Enterprise v3 key; v2 otherwise.
+        #[serde(default)]
+        version: Option<String>,
+        #[serde(default)]
+        action: Option<String>,
+        #[serde(default)]
+        min_score: Option<f32>,
+        #[serde(default)]
+        data_s: Option<String>,
+        #[serde(default)]
+        browser: Browser,
+    },
+    Hcaptcha {
+        sitekey: String,
+        pageurl: String,
+    },
+    Turnstile {
+        sitekey: String,
+        pageurl: String,
+        #[serde(default)]
+        action: Option<String>,
+        #[serde(default)]
+        data: Option<String>,
+    },
+    /// A base64-encoded image.
+    Image {
+        body: String,
+    },
+}
+
+/// Optional browser context for reCAPTCHA (`"browser": {...}` in the request).
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Browser {
+    #[serde(default)]
+    pub user_agent: Option<String>,
+    #[serde(default)]
+    pub cookies: Option<String>,
+    #[serde(default)]
+    pub proxy: Option<String>,
+    #[serde(default)]
+    pub proxytype: Option<String>,
+}
+
+/// Largest base64 image accepted (CaptchaAI refuses images over 100 KiB; base64 adds a third).
+pub const MAX_IMAGE_BASE64: usize = 140 * 1024;
+
+fn check_text(field: &str, v: &str, max: usize) -> Result<(), ParseError> {
+    if v.trim().is_empty() {
+        return Err(ParseError(format!("`{field}` must not be empty")));
+    }
+    if v.len() > max {
+        return Err(ParseError(format!("`{field}` is longer than {max} bytes")));
+    }
+    if v.chars().any(char::is_control) {
+        return Err(ParseError(format!("`{field}` contains control characters")));
+    }
+    Ok(())
+}
+
+fn check_pageurl(v: &str) -> Result<(), ParseError> {
+    check_text("pageurl", v, 2048)?;
+    if !(v.starts_with("https://") || v.starts_with("http://")) {
+        return Err(ParseError("`pageurl` must be an http(s) URL".into()));
+    }
+    Ok(())
+}
+
+fn check_score(v: Option<f32>) -> Result<(), ParseError> {
+    match v {
+        Some(s) if !(0.1..=0.9).contains(&s) => Err(ParseError("`min_score` must be between 0.1 and 0.9".into())),
+        _ => Ok(()),
+    }
+}
+
+impl SubmitRequest {
+    pub fn kind(&self) -> CaptchaKind {
+        match self {
+            Self::RecaptchaV2 { .. } => CaptchaKind::RecaptchaV2,
+            Self::RecaptchaV3 { .. } => CaptchaKind::RecaptchaV3,
+            Self::RecaptchaEnterprise { .. } => CaptchaKind::RecaptchaEnterprise,
+            Self::Hcaptcha { .. } => CaptchaKind::Hcaptcha,
+            Self::Turnstile { .. } => CaptchaKind::Turnstile,
+            Self::Image { .. } => CaptchaKind::Image,
+        }
+    }
+
+    /// Checks what CaptchaAI would refuse anyway, so the caller hears it at once.
+    pub fn validate(&self) -> Result<(), ParseError> {
+        match self {
+            Self::RecaptchaV2 { sitekey, pageurl, .. } | Self::Hcaptcha { sitekey, pageurl } => {
+                check_text("sitekey", sitekey, 256)?;
+                check_pageurl(pageurl)
+            }
+            Self::RecaptchaV3 { sitekey, pageurl, min_score, .. } => {
+                check_text("sitekey", sitekey, 256)?;
+                check_pageurl(pageurl)?;
+                check_score(*min_score)
+            }
+            Self::RecaptchaEnterprise { sitekey, pageurl, version, min_score, .. } => {
+                check_text("sitekey", sitekey, 256)?;
+                check_pageurl(pageurl)?;
+                check_score(*min_score)?;
+                match version.as_deref() {
+                    None | Some("v2" | "v3") => Ok(()),
+                    Some(_) => Err(ParseError("`version` must be `v2` or `v3`".into())),
+                }
+            }
+            Self::Turnstile { sitekey, pageurl, .. } => {
+                check_text("sitekey", sitekey, 256)?;
+                check_pageurl(pageurl)
+            }
+            Self::Image { body } => {
+                check_text("body", body, MAX_IMAGE_BASE64)?;
+                if !body.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'+' | b'/' | b'=' | b'\n' | b'\r')) {
+                    return Err(ParseError("`body` must be base64".into()));
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// The in.php form fields for this captcha (without key, json and pingback).
+    pub fn form_fields(&self) -> Vec<(&'static str, String)> {
+        let mut f: Vec<(&'static str, String)> = Vec::new();
+        let push_opt = |f: &mut Vec<(&'static str, String)>, k: &'static str, v: &Option<String>| {
+            if let Some(v) = v {
+                f.push((k, v.clone()));
+            }
+        };
+        let browser = |f: &mut Vec<(&'static str, String)>, b: &Browser| {
+            for (k, v) in [("userAgent", &b.user_agent), ("cookies", &b.cookies), ("proxy", &b.proxy), ("proxytype", &b.proxytype)] {
+                if let Some(v) = v {
+                    f.push((k, v.clone()));
+                }
+            }
+        };
+        match self {
+            Self::RecaptchaV2 { sitekey, pageurl, invisible, data_s, browser: b } => {
+                f.extend([("method", "userrecaptcha".into()), ("googlekey", sitekey.clone()), ("pageurl", pageurl.clone())]);
+                if *invisible {
+                    f.push(("invisible", "1".into()));
+                }
+                push_opt(&mut f, "data-s", data_s);
+                browser(&mut f, b);
+            }
+            Self::RecaptchaV3 { sitekey, pageurl, action, min_score, browser: b } => {
+                f.extend([
+                    ("method", "userrecaptcha".into()),
+                    ("version", "v3".into()),
+                    ("googlekey", sitekey.clone()),
+                    ("pageurl", pageurl.clone()),
+                ]);
+                push_opt(&mut f, "action", action);
+                push_opt(&mut f, "min_score", &min_score.map(|s| s.to_string()));
+                browser(&mut f, b);
+            }
+            Self::RecaptchaEnterprise { sitekey, pageurl, version, action, min_score, data_s, browser: b } => {
+                f.extend([
+                    ("method", "userrecaptcha".into()),
+                    ("enterprise", "1".into()),
+                    ("googlekey", sitekey.clone()),
+                    ("pageurl", pageurl.clone()),
+                ]);
+                push_opt(&mut f, "version", version);
+                push_opt(&mut f, "action", action);
+                push_opt(&mut f, "min_score", &min_score.map(|s| s.to_string()));
+                push_opt(&mut f, "data-s", data_s);
+                browser(&mut f, b);
+            }
+            Self::Hcaptcha { sitekey, pageurl } => {
+                f.extend([("method", "hcaptcha".into()), ("sitekey", sitekey.clone()), ("pageurl", pageurl.clone())]);
+            }
+            Self::Turnstile { sitekey, pageurl, action, data } => {
+                f.extend([("method", "turnstile".into()), ("sitekey", sitekey.clone()), ("pageurl", pageurl.clone())]);
+                push_opt(&mut f, "action", action);
+                push_opt(&mut f, "data", data);
+            }
+            Self::Image { body } => {
+                f.extend([("method", "base64".into()), ("body", body.clone())]);
+            }
+        }
+        f
+    }
+}
+
+/// What went wrong talking to CaptchaAI. Never carries the account key or a token.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CaptchaAiError {
+    #[error("CaptchaAI answered {0}")]
+    Code(ErrorCode),
+    #[error("CaptchaAI answered HTTP {0}")]
+    Http(u16),
+    #[error("CaptchaAI answered something that is not a protocol answer: {0}")]
+    NotAnAnswer(String),
+    #[error("CaptchaAI did not answer in time")]
+    Timeout,
+    #[error("could not connect to CaptchaAI: {0}")]
+    Connect(String),
+    #[error("request to CaptchaAI failed: {0}")]
+    Transport(String),
+}
+
+impl CaptchaAiError {
+    /// The protocol class: codes by the table, anything else from the transport is transient.
+    pub fn class(&self) -> CodeClass {
+        match self {
+            Self::Code(c) => c.class(),
+            Self::Http(s) if *s < 500 && *s != 429 => CodeClass::Unknown,
+            _ => CodeClass::Transient,
+        }
+    }
+
+    /// Whether CaptchaAI may have accepted the request even though we saw an error. A submit
+    /// with this outcome must not be called failed, and retrying it could pay twice.
+    pub fn outcome_unknown(&self) -> bool {
+        matches!(self, Self::Timeout | Self::Transport(_))
+    }
+
+    /// The code to show and store: the CaptchaAI code, or a relay code for transport trouble.
+    pub fn code(&self) -> String {
+        match self {
+            Self::Code(c) => c.as_ref().to_owned(),
+            Self::Http(s) => format!("HTTP_{s}"),
+            Self::NotAnAnswer(_) => "NOT_AN_ANSWER".into(),
+            Self::Timeout => "TIMEOUT".into(),
+            Self::Connect(_) => "CONNECT_FAILED".into(),
+            Self::Transport(_) => "TRANSPORT_FAILED".into(),
+        }
+    }
+
+    fn from_reqwest(e: reqwest::Error) -> Self {
+        // The URL of a res.php read carries the account key: never keep it.
+        let e = e.without_url();
+        if e.is_timeout() {
+            Self::Timeout
+        } else if e.is_connect() {
+            Self::Connect(e.to_string())
+        } else {
+            Self::Transport(e.to_string())
+        }
+    }
+}
+
+/// A protocol answer before it is read as a submit or a result.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RawAnswer {
+    /// `status: 1` / `OK|…`.
+    Ok(String),
+    /// `status: 0` / a bare code.
+    Code(String),
+}
+
+#[derive(Deserialize)]
+struct JsonAnswer {
+    status: serde_json::Value,
+    request: serde_json::Value,
+}
+
+fn json_text(v: &serde_json::Value) -> Option<String> {
+    match v {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Number(n) => Some(n.to_string()),
+        _ => None,
+    }
+}
+
+/// Reads any answer shape in the protocol: JSON (`request` as string or number, `status` as
+/// number or string), plain `OK|…`, a bare code; HTTP errors and HTML are errors.
+pub fn parse_answer(http_status: u16, body: &str) -> Result<RawAnswer, CaptchaAiError> {
+    let text = body.trim();
+    if let Ok(j) = serde_json::from_str::<JsonAnswer>(text) {
+        let ok = match &j.status {
+            serde_json::Value::Number(n) => n.as_i64() == Some(1),
+            serde_json::Value::String(s) => s == "1",
+            serde_json::Value::Bool(b) => *b,
+            _ => false,
+        };
+        let request = json_text(&j.request)
+            .ok_or_else(|| CaptchaAiError::NotAnAnswer("JSON answer without a `request` text".into()))?;
+        return Ok(if ok { RawAnswer::Ok(request) } else { RawAnswer::Code(request) });
+    }
+    if http_status >= 400 {
+        return Err(CaptchaAiError::Http(http_status));
+    }
+    if let Some(rest) = text.strip_prefix("OK|") {
+        return Ok(RawAnswer::Ok(rest.to_owned()));
+    }
+    let looks_like_code = !text.is_empty()
+        && text.len() <= 64
+        && text.bytes().all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || matches!(b, b'_' | b':' | b' '));
+    if looks_like_code && classify(text) != CodeClass::Unknown || text.starts_with("ERROR") && looks_like_code {
+        return Ok(RawAnswer::Code(text.to_owned()));
+    }
+    let kind = if text.starts_with('<') { "an HTML page" } else { "unrecognised text" };
+    Err(CaptchaAiError::NotAnAnswer(format!("{kind} ({} bytes)", text.len())))
+}
+
+/// What res.php said about one task.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ResAnswer {
+    Ready(Solution),
+    NotReady,
+    /// An error code about this task (or the request).
+    Code(ErrorCode),
+}
+
+fn code(s: &str) -> Result<ErrorCode, CaptchaAiError> {
+    ErrorCode::parse(s).map_err(|e| CaptchaAiError::NotAnAnswer(e.0))
+}
+
+fn res_answer(raw: RawAnswer) -> Result<ResAnswer, CaptchaAiError> {
+    match raw {
+        RawAnswer::Ok(s) => {
+            Solution::parse(&s).map(ResAnswer::Ready).map_err(|e| CaptchaAiError::NotAnAnswer(e.0))
+        }
+        RawAnswer::Code(c) if classify(&c) == CodeClass::NotReady => Ok(ResAnswer::NotReady),
+        RawAnswer::Code(c) => Ok(ResAnswer::Code(code(&c)?)),
+    }
+}
+
+/// Client for one CaptchaAI account.
+#[derive(Clone)]
+pub struct CaptchaAiClient {
+    http: reqwest::Client,
+    base_url: String,
+    key: SecretString,
+    soft_id: Option<u32>,
+}
+
+impl std::fmt::Debug for CaptchaAiClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CaptchaAiClient").field("base_url", &self.base_url).finish_non_exhaustive()
+    }
+}
+
+impl CaptchaAiClient {
+    pub fn new(base_url: &str, key: SecretString, timeout: Duration, soft_id: Option<u32>) -> Result<Self, CaptchaAiError> {
+        let http = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(3).min(timeout))
+            .timeout(timeout)
+            .pool_idle_timeout(Duration::from_secs(50))
+            .user_agent(concat!("captcha-relay/", env!("CARGO_PKG_VERSION")))
+            .build()
+            .map_err(CaptchaAiError::from_reqwest)?;
+        Ok(Self { http, base_url: base_url.trim_end_matches('/').to_owned(), key, soft_id })
+    }
+
+    async fn read(&self, resp: reqwest::Response) -> Result<RawAnswer, CaptchaAiError> {
+        let status = resp.status().as_u16();
+        let body = resp.text().await.map_err(CaptchaAiError::from_reqwest)?;
+        parse_answer(status, &body)
+    }
+
+    /// Submits a captcha with a pingback URL (POST form, `json=1`). Returns CaptchaAI's id.
+    pub async fn submit(&self, req: &SubmitRequest, pingback: &str) -> Result<CaptchaId, CaptchaAiError> {
+        let mut form = req.form_fields();
+        form.push(("key", self.key.expose_secret().to_owned()));
+        form.push(("json", "1".into()));
+        form.push(("pingback", pingback.to_owned()));
+        if let Some(id) = self.soft_id {
+            form.push(("soft_id", id.to_string()));
+        }
+        let resp = self
+            .http
+            .post(format!("{}/in.php", self.base_url))
+            .form(&form)
+            .send()
+            .await
+            .map_err(CaptchaAiError::from_reqwest)?;
+        match self.read(resp).await? {
+            RawAnswer::Ok(id) => CaptchaId::parse(&id).map_err(|e| CaptchaAiError::NotAnAnswer(e.0)),
+            RawAnswer::Code(c) => Err(CaptchaAiError::Code(code(&c)?)),
+        }
+    }
+
+    /// Reads one task's result (`action=get`).
+    pub async fn get_result(&self, id: &CaptchaId) -> Result<ResAnswer, CaptchaAiError> {
+        let resp = self
+            .http
+            .get(format!("{}/res.php", self.base_url))
+            .query(&[("key", self.key.expose_secret()), ("action", "get"), ("id", id.as_ref()), ("json", "1")])
+            .send()
+            .await
+            .map_err(CaptchaAiError::from_reqwest)?;
+        res_answer(self.read(resp).await?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_submit_answer_shape_is_read() {
+        assert_eq!(parse_answer(200, r#"{"status":1,"request":"2122988149"}"#), Ok(RawAnswer::Ok("2122988149".into())));
+        assert_eq!(parse_answer(200, r#"{"status":1,"request":2122988149}"#), Ok(RawAnswer::Ok("2122988149".into())));
+        assert_eq!(parse_answer(200, r#"{"status":"1","request":"7"}"#), Ok(RawAnswer::Ok("7".into())));
+        assert_eq!(parse_answer(200, "OK|2122988149"), Ok(RawAnswer::Ok("2122988149".into())));
+        assert_eq!(
+            parse_answer(200, r#"{"status":0,"request":"ERROR_WRONG_USER_KEY"}"#),
+            Ok(RawAnswer::Code("ERROR_WRONG_USER_KEY".into()))
+        );
+        assert_eq!(parse_answer(200, "ERROR_NO_SLOT_AVAILABLE"), Ok(RawAnswer::Code("ERROR_NO_SLOT_AVAILABLE".into())));
+        assert_eq!(parse_answer(200, "CAPCHA_NOT_READY"), Ok(RawAnswer::Code("CAPCHA_NOT_READY".into())));
+        assert_eq!(parse_answer(200, "ERROR: 1005"), Ok(RawAnswer::Code("ERROR: 1005".into())));
+    }
+
+    #[test]
+    fn http_errors_and_html_are_transient_errors() {
+        assert_eq!(parse_answer(502, "<html>Bad gateway</html>"), Err(CaptchaAiError::Http(502)));
+        let html = parse_answer(200, "<!DOCTYPE html><p>maintenance</p>").expect_err("html");
+        assert!(matches!(html, CaptchaAiError::NotAnAnswer(_)));
+        assert_eq!(html.class(), CodeClass::Transient);
+        assert_eq!(CaptchaAiError::Http(503).class(), CodeClass::Transient);
+        assert_eq!(CaptchaAiError::Timeout.class(), CodeClass::Transient);
+        assert!(CaptchaAiError::Timeout.outcome_unknown());
+        assert!(!CaptchaAiError::Connect("refused".into()).outcome_unknown());
+    }
+
+    #[test]
+    fn res_php_answers_become_ready_not_ready_or_code() {
+        let ready = res_answer(parse_answer(200, r#"{"status":1,"request":"03AGdBq2"}"#).expect("ok")).expect("ready");
+        assert!(matches!(ready, ResAnswer::Ready(s) if s.expose() == "03AGdBq2"));
+        assert_eq!(res_answer(RawAnswer::Code("CAPCHA_NOT_READY".into())), Ok(ResAnswer::NotReady));
+        assert!(matches!(res_answer(RawAnswer::Code("ERROR_CAPTCHA_UNSOLVABLE".into())), Ok(ResAnswer::Code(c)) if c.class() == CodeClass::TerminalForTask));
+        // A plain-mode solution containing `|` keeps everything after the first one.
+        assert_eq!(parse_answer(200, "OK|a|b"), Ok(RawAnswer::Ok("a|b".into())));
+    }
+
+    #[test]
+    fn submit_requests_parse_validate_and_map_to_in_php_fields() {
+        let r: SubmitRequest = serde_json::from_str(
+            r#"{"kind":"recaptcha_v3","sitekey":"6Le","pageurl":"https://shop.example/login","action":"login","min_score":0.3}"#,
+        )
+        .expect("parses");
+        assert_eq!(r.kind(), CaptchaKind::RecaptchaV3);
+        r.validate().expect("valid");
+        let f = r.form_fields();
+        for want in [("method", "userrecaptcha"), ("version", "v3"), ("googlekey", "6Le"), ("action", "login"), ("min_score", "0.3")] {
+            assert!(f.iter().any(|(k, v)| *k == want.0 && v == want.1), "missing {want:?} in {f:?}");
+        }
+        let e: SubmitRequest =
+            serde_json::from_str(r#"{"kind":"recaptcha_enterprise","sitekey":"k","pageurl":"https://a.example"}"#).expect("parses");
+        assert!(e.form_fields().contains(&("enterprise", "1".into())));
+        let t: SubmitRequest =
+            serde_json::from_str(r#"{"kind":"turnstile","sitekey":"0x4","pageurl":"https://a.example","data":"d"}"#).expect("parses");
+        assert!(t.form_fields().contains(&("method", "turnstile".into())));
+        let h: SubmitRequest = serde_json::from_str(r#"{"kind":"hcaptcha","sitekey":"s","pageurl":"https://a.example"}"#).expect("parses");
+        assert!(h.form_fields().contains(&("method", "hcaptcha".into())));
+        let i: SubmitRequest = serde_json::from_str(r#"{"kind":"image","body":"iVBORw0KGgo="}"#).expect("parses");
+        i.validate().expect("valid");
+        assert!(i.form_fields().contains(&("method", "base64".into())));
+    }
+
+    #[test]
+    fn bad_submit_requests_are_refused_with_the_field_named() {
+        assert!(serde_json::from_str::<SubmitRequest>(r#"{"kind":"funcaptcha","sitekey":"s"}"#).is_err());
+        assert!(serde_json::from_str::<SubmitRequest>(r#"{"kind":"hcaptcha","sitekey":"s"}"#).is_err());
+        let cases = [
+            (r#"{"kind":"hcaptcha","sitekey":"","pageurl":"https://a.example"}"#, "sitekey"),
+            (r#"{"kind":"hcaptcha","sitekey":"s","pageurl":"javascript:x"}"#, "pageurl"),
+            (r#"{"kind":"recaptcha_v3","sitekey":"s","pageurl":"https://a.example","min_score":3}"#, "min_score"),
+            (r#"{"kind":"image","body":"not base64!"}"#, "body"),
+        ];
+        for (json, field) in cases {
+            let r: SubmitRequest = serde_json::from_str(json).expect("shape parses");
+            let err = r.validate().expect_err(json);
+            assert!(err.0.contains(field), "{json}: {err}");
+        }
+    }
+}

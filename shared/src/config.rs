@@ -1,0 +1,261 @@
+//! Configuration, read once at cold start into typed structs. A missing or malformed setting
+//! fails fast with a message naming it. Nothing else in the code reads the environment.
+
+use std::collections::HashMap;
+use std::str::FromStr;
+use std::time::Duration;
+
+use secrecy::SecretString;
+
+use crate::secrets::SecretSource;
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ConfigError {
+    #[error("missing setting {0}")]
+    Missing(String),
+    #[error("setting {name} is invalid: {reason}")]
+    Invalid { name: String, reason: String },
+    #[error("missing secret: set {0} (plain value, local use) or {0}_PARAM (an SSM parameter name; `/aws/reference/secretsmanager/<id>` reads Secrets Manager)")]
+    MissingSecret(String),
+}
+
+/// Raw settings, by name. Built from the process environment or, in tests, from pairs.
+#[derive(Debug, Clone, Default)]
+pub struct Settings(HashMap<String, String>);
+
+impl Settings {
+    pub fn from_env() -> Self {
+        Self(std::env::vars().collect())
+    }
+
+    pub fn from_pairs<'a>(pairs: impl IntoIterator<Item = (&'a str, &'a str)>) -> Self {
+        Self(pairs.into_iter().map(|(k, v)| (k.to_owned(), v.to_owned())).collect())
+    }
+
+    pub fn with(mut self, name: &str, value: &str) -> Self {
+        self.0.insert(name.to_owned(), value.to_owned());
+        self
+    }
+
+    fn get(&self, name: &str) -> Option<&str> {
+        self.0.get(name).map(String::as_str).filter(|v| !v.trim().is_empty())
+    }
+
+    pub fn required(&self, name: &str) -> Result<String, ConfigError> {
+        self.get(name).map(str::to_owned).ok_or_else(|| ConfigError::Missing(name.to_owned()))
+    }
+
+    pub fn optional(&self, name: &str) -> Option<String> {
+        self.get(name).map(str::to_owned)
+    }
+
+    pub fn parse_or<T: FromStr>(&self, name: &str, default: T) -> Result<T, ConfigError>
+    where
+        T::Err: std::fmt::Display,
+    {
+        match self.get(name) {
+            None => Ok(default),
+            Some(v) => v.trim().parse().map_err(|e: T::Err| ConfigError::Invalid {
+                name: name.to_owned(),
+                reason: format!("`{v}`: {e}"),
+            }),
+        }
+    }
+
+    pub fn url(&self, name: &str) -> Result<String, ConfigError> {
+        let v = self.required(name)?;
+        check_url(name, &v)?;
+        Ok(v.trim_end_matches('/').to_owned())
+    }
+
+    pub fn url_or(&self, name: &str, default: &str) -> Result<String, ConfigError> {
+        match self.get(name) {
+            None => Ok(default.to_owned()),
+            Some(_) => self.url(name),
+        }
+    }
+
+    /// A secret given inline (`NAME`) or by reference (`NAME_PARAM`).
+    pub fn secret(&self, name: &str) -> Result<SecretSource, ConfigError> {
+        if let Some(v) = self.get(name) {
+            return Ok(SecretSource::Inline(SecretString::from(v.to_owned())));
+        }
+        let param = format!("{name}_PARAM");
+        match self.get(&param) {
+            Some(p) => Ok(SecretSource::SsmParameter(p.to_owned())),
+            None => Err(ConfigError::MissingSecret(name.to_owned())),
+        }
+    }
+}
+
+fn check_url(name: &str, v: &str) -> Result<(), ConfigError> {
+    if v.starts_with("https://") || v.starts_with("http://") {
+        Ok(())
+    } else {
+        Err(ConfigError::Invalid { name: name.to_owned(), reason: format!("`{v}` is not an http(s) URL") })
+    }
+}
+
+/// Where tasks are stored and for how long.
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    pub table: String,
+    pub retention: Duration,
+}
+
+impl StoreConfig {
+    pub fn from_settings(s: &Settings) -> Result<Self, ConfigError> {
+        let days: u64 = s.parse_or("RETENTION_DAYS", 7)?;
+        if days == 0 {
+            return Err(ConfigError::Invalid { name: "RETENTION_DAYS".into(), reason: "must be at least 1".into() });
+        }
+        Ok(Self { table: s.required("TABLE_NAME")?, retention: Duration::from_secs(days * 86_400) })
+    }
+}
+
+/// How the CaptchaAI API is reached.
+#[derive(Debug, Clone)]
+pub struct CaptchaAiConfig {
+    pub base_url: String,
+    pub api_key: SecretSource,
+    pub timeout: Duration,
+    pub soft_id: Option<u32>,
+}
+
+impl CaptchaAiConfig {
+    pub const DEFAULT_BASE_URL: &'static str = "https://ocr.captchaai.com";
+
+    pub fn from_settings(s: &Settings) -> Result<Self, ConfigError> {
+        Ok(Self {
+            base_url: s.url_or("CAPTCHAAI_BASE_URL", Self::DEFAULT_BASE_URL)?,
+            api_key: s.secret("CAPTCHAAI_API_KEY")?,
+            timeout: Duration::from_millis(s.parse_or("CAPTCHAAI_TIMEOUT_MS", 15_000)?),
+            soft_id: s.optional("CAPTCHAAI_SOFT_ID").map(|_| s.parse_or("CAPTCHAAI_SOFT_ID", 0)).transpose()?,
+        })
+    }
+}
+
+/// Who may call `/tasks`.
+#[derive(Debug, Clone)]
+pub enum AuthMode {
+    /// API Gateway checked SigV4 (IAM authorisation on the route); the handler checks that
+    /// it did.
+    Iam,
+    /// `Authorization: Bearer <key>`, compared in constant time.
+    ApiKey(SecretSource),
+}
+
+impl AuthMode {
+    pub fn from_settings(s: &Settings) -> Result<Self, ConfigError> {
+        match s.optional("AUTH_MODE").as_deref().unwrap_or("api_key") {
+            "iam" => Ok(Self::Iam),
+            "api_key" => Ok(Self::ApiKey(s.secret("RELAY_API_KEY")?)),
+            other => Err(ConfigError::Invalid {
+                name: "AUTH_MODE".into(),
+                reason: format!("`{other}`: expected `iam` or `api_key`"),
+            }),
+        }
+    }
+}
+
+/// The API function's settings.
+#[derive(Debug, Clone)]
+pub struct ApiConfig {
+    pub store: StoreConfig,
+    pub captchaai: CaptchaAiConfig,
+    pub auth: AuthMode,
+    pub signing_secret: SecretSource,
+    /// Public base URL under which `/callback/{ref}/{sig}` is reachable.
+    pub callback_base_url: String,
+    /// How long a callback gets before the poller asks res.php.
+    pub callback_grace: Duration,
+    /// Tries of in.php on transient errors before answering 503.
+    pub submit_attempts: u32,
+}
+
+impl ApiConfig {
+    pub fn from_settings(s: &Settings) -> Result<Self, ConfigError> {
+        let submit_attempts = s.parse_or("SUBMIT_ATTEMPTS", 3)?;
+        if !(1..=10).contains(&submit_attempts) {
+            return Err(ConfigError::Invalid { name: "SUBMIT_ATTEMPTS".into(), reason: "must be 1 to 10".into() });
+        }
+        Ok(Self {
+            store: StoreConfig::from_settings(s)?,
+            captchaai: CaptchaAiConfig::from_settings(s)?,
+            auth: AuthMode::from_settings(s)?,
+            signing_secret: s.secret("CALLBACK_SIGNING_SECRET")?,
+            callback_base_url: s.url("CALLBACK_BASE_URL")?,
+            callback_grace: Duration::from_secs(s.parse_or("CALLBACK_GRACE_SECS", 120)?),
+            submit_attempts,
+        })
+    }
+}
+
+/// The callback function's settings.
+#[derive(Debug, Clone)]
+pub struct CallbackConfig {
+    pub store: StoreConfig,
+    pub signing_secret: SecretSource,
+}
+
+impl CallbackConfig {
+    pub fn from_settings(s: &Settings) -> Result<Self, ConfigError> {
+        Ok(Self { store: StoreConfig::from_settings(s)?, signing_secret: s.secret("CALLBACK_SIGNING_SECRET")? })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn full() -> Settings {
+        Settings::from_pairs([
+            ("TABLE_NAME", "tasks"),
+            ("CAPTCHAAI_API_KEY", "k"),
+            ("RELAY_API_KEY", "a"),
+            ("CALLBACK_SIGNING_SECRET", "s"),
+            ("CALLBACK_BASE_URL", "https://cb.example/"),
+        ])
+    }
+
+    #[test]
+    fn defaults_fill_everything_optional() {
+        let c = ApiConfig::from_settings(&full()).expect("valid");
+        assert_eq!(c.store.retention, Duration::from_secs(7 * 86_400));
+        assert_eq!(c.captchaai.base_url, "https://ocr.captchaai.com");
+        assert_eq!(c.callback_base_url, "https://cb.example");
+        assert_eq!(c.callback_grace, Duration::from_secs(120));
+        assert!(matches!(c.auth, AuthMode::ApiKey(SecretSource::Inline(_))));
+    }
+
+    #[test]
+    fn missing_setting_is_named() {
+        let s = Settings::from_pairs([("CAPTCHAAI_API_KEY", "k")]);
+        let err = ApiConfig::from_settings(&s).expect_err("no table");
+        assert_eq!(err, ConfigError::Missing("TABLE_NAME".into()));
+        assert!(err.to_string().contains("TABLE_NAME"));
+    }
+
+    #[test]
+    fn missing_secret_names_both_ways_to_give_it() {
+        let s = Settings::from_pairs([("TABLE_NAME", "t")]);
+        let err = CallbackConfig::from_settings(&s).expect_err("no secret").to_string();
+        assert!(err.contains("CALLBACK_SIGNING_SECRET") && err.contains("_PARAM"), "{err}");
+    }
+
+    #[test]
+    fn secret_by_reference_and_iam_mode() {
+        let s = full().with("AUTH_MODE", "iam").with("CAPTCHAAI_API_KEY", "").with("CAPTCHAAI_API_KEY_PARAM", "/relay/key");
+        let c = ApiConfig::from_settings(&s).expect("valid");
+        assert!(matches!(c.auth, AuthMode::Iam));
+        assert!(matches!(&c.captchaai.api_key, SecretSource::SsmParameter(p) if p == "/relay/key"));
+    }
+
+    #[test]
+    fn malformed_values_are_named_with_the_reason() {
+        for (name, value) in [("RETENTION_DAYS", "soon"), ("RETENTION_DAYS", "0"), ("AUTH_MODE", "open"), ("CALLBACK_BASE_URL", "ftp://x"), ("SUBMIT_ATTEMPTS", "0")] {
+            let err = ApiConfig::from_settings(&full().with(name, value)).expect_err(name);
+            assert!(matches!(&err, ConfigError::Invalid { name: n, .. } if n == name), "{name}: {err}");
+        }
+    }
+}

@@ -1,0 +1,662 @@
+//! The task: parsed identifiers, the captcha kinds, and the task's life as a state machine.
+//!
+//! Every transition is a pure function of the current task and an input. The DynamoDB store
+//! encodes the same rules as conditional writes; when such a write is refused, the store runs
+//! the old item through these functions to say *why* (duplicate, conflict, wrong id).
+
+use std::fmt;
+use std::time::Duration;
+
+use serde::{Deserialize, Deserializer, Serialize};
+
+use crate::codes::ErrorCode;
+use crate::time::Timestamp;
+
+/// Why a value from outside could not be parsed. The message is safe to show a caller.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ParseError(pub String);
+
+/// Our reference for a task: `tsk_` and 32 lowercase hex digits. Generated before in.php is
+/// called, so a callback that outruns the submit still finds its record.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TaskRef(String);
+
+impl TaskRef {
+    const PREFIX: &'static str = "tsk_";
+
+    pub fn generate() -> Self {
+        Self(format!("{}{}", Self::PREFIX, uuid::Uuid::new_v4().simple()))
+    }
+
+    pub fn parse(s: &str) -> Result<Self, ParseError> {
+        let hex = s
+            .strip_prefix(Self::PREFIX)
+            .ok_or_else(|| ParseError("task reference must start with `tsk_`".into()))?;
+        if hex.len() != 32 || !hex.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
+            return Err(ParseError(
+                "task reference must be `tsk_` followed by 32 lowercase hex digits".into(),
+            ));
+        }
+        Ok(Self(s.to_owned()))
+    }
+
+    /// A small stable number derived from the reference, used to spread the due-for-poll
+    /// index over several partitions.
+    pub fn shard(&self, shards: u8) -> u8 {
+        let last = self.0.as_bytes().last().copied().unwrap_or(b'0');
+        let nibble = if last.is_ascii_digit() { last - b'0' } else { last - b'a' + 10 };
+        nibble % shards.max(1)
+    }
+}
+
+impl AsRef<str> for TaskRef {
+    fn as_ref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for TaskRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl fmt::Debug for TaskRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl Serialize for TaskRef {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.0)
+    }
+}
+
+/// The id CaptchaAI gave the task. Arrives as a JSON number or a string; kept as text.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct CaptchaId(String);
+
+impl CaptchaId {
+    pub fn parse(s: &str) -> Result<Self, ParseError> {
+        let s = s.trim();
+        if s.is_empty() || s.len() > 64 || !s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
+            return Err(ParseError("CaptchaAI task id must be 1 to 64 letters or digits".into()));
+        }
+        Ok(Self(s.to_owned()))
+    }
+}
+
+impl AsRef<str> for CaptchaId {
+    fn as_ref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for CaptchaId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl fmt::Debug for CaptchaId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl Serialize for CaptchaId {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.0)
+    }
+}
+
+impl<'de> Deserialize<'de> for CaptchaId {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum NumOrStr {
+            Num(u64),
+            Str(String),
+        }
+        let text = match NumOrStr::deserialize(d)? {
+            NumOrStr::Num(n) => n.to_string(),
+            NumOrStr::Str(s) => s,
+        };
+        CaptchaId::parse(&text).map_err(serde::de::Error::custom)
+    }
+}
+
+/// A solved captcha's answer (a token, or an image's text). Never printed: `Debug` redacts it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Solution(String);
+
+impl Solution {
+    /// Largest answer accepted; real tokens are a few KiB.
+    pub const MAX_LEN: usize = 12 * 1024;
+
+    pub fn parse(s: &str) -> Result<Self, ParseError> {
+        if s.is_empty() {
+            return Err(ParseError("solution is empty".into()));
+        }
+        if s.len() > Self::MAX_LEN {
+            return Err(ParseError(format!("solution is longer than {} bytes", Self::MAX_LEN)));
+        }
+        Ok(Self(s.to_owned()))
+    }
+
+    /// The token itself. Call only where it leaves to its owner (an API response, the store).
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Solution {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Solution(<redacted, {} bytes>)", self.0.len())
+    }
+}
+
+/// What kind of captcha a task is; decides token lifetime and solve-time limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CaptchaKind {
+    RecaptchaV2,
+    RecaptchaV3,
+    RecaptchaEnterprise,
+    Hcaptcha,
+    Turnstile,
+    Image,
+}
+
+impl CaptchaKind {
+    pub const ALL: [CaptchaKind; 6] = [
+        Self::RecaptchaV2,
+        Self::RecaptchaV3,
+        Self::RecaptchaEnterprise,
+        Self::Hcaptcha,
+        Self::Turnstile,
+        Self::Image,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::RecaptchaV2 => "recaptcha_v2",
+            Self::RecaptchaV3 => "recaptcha_v3",
+            Self::RecaptchaEnterprise => "recaptcha_enterprise",
+            Self::Hcaptcha => "hcaptcha",
+            Self::Turnstile => "turnstile",
+            Self::Image => "image",
+        }
+    }
+
+    pub fn parse(s: &str) -> Result<Self, ParseError> {
+        Self::ALL
+            .into_iter()
+            .find(|k| k.as_str() == s)
+            .ok_or_else(|| ParseError(format!("unknown captcha kind `{s}`")))
+    }
+
+    /// How long a solution stays usable after it was issued. `None`: it does not expire
+    /// (an image's text).
+    pub fn token_lifetime(self) -> Option<Duration> {
+        match self {
+            Self::RecaptchaV2 | Self::RecaptchaV3 | Self::RecaptchaEnterprise | Self::Hcaptcha => {
+                Some(Duration::from_secs(120))
+            }
+            Self::Turnstile => Some(Duration::from_secs(300)),
+            Self::Image => None,
+        }
+    }
+
+    /// After this long without an answer CaptchaAI gives up (`ERROR_CAPTCHA_UNSOLVABLE`).
+    pub fn max_solve_time(self) -> Duration {
+        match self {
+            Self::RecaptchaV2 | Self::RecaptchaV3 | Self::RecaptchaEnterprise => Duration::from_secs(300),
+            Self::Hcaptcha | Self::Turnstile | Self::Image => Duration::from_secs(90),
+        }
+    }
+}
+
+impl fmt::Display for CaptchaKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// How a task's final state was reached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Via {
+    /// The pingback from CaptchaAI.
+    Callback,
+    /// The fallback poller reading res.php.
+    Poll,
+    /// A dead letter re-applied by the redrive function.
+    Redrive,
+    /// The submit itself (in.php refused the task).
+    Submit,
+    /// The poller's deadline (no answer in time).
+    Deadline,
+}
+
+impl Via {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Callback => "callback",
+            Self::Poll => "poll",
+            Self::Redrive => "redrive",
+            Self::Submit => "submit",
+            Self::Deadline => "deadline",
+        }
+    }
+
+    pub fn parse(s: &str) -> Result<Self, ParseError> {
+        [Self::Callback, Self::Poll, Self::Redrive, Self::Submit, Self::Deadline]
+            .into_iter()
+            .find(|v| v.as_str() == s)
+            .ok_or_else(|| ParseError(format!("unknown resolution path `{s}`")))
+    }
+}
+
+/// The result CaptchaAI reported for a task.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    Solved(Solution),
+    Failed(ErrorCode),
+}
+
+/// One delivery of a result, from whichever path brought it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Delivery {
+    pub captcha_id: CaptchaId,
+    pub outcome: Outcome,
+    pub received_at: Timestamp,
+    pub via: Via,
+    /// The earliest moment the token can have been issued, for the freshness clock. A callback
+    /// comes right after the solve, so it is `received_at`; a poll cannot tell when the solve
+    /// happened, so it is the last moment res.php still said "not ready" (or the submit).
+    pub token_clock_start: Timestamp,
+}
+
+/// Where a task is in its life.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TaskState {
+    /// Recorded, in.php not (yet) confirmed.
+    Submitting,
+    /// In.php accepted it; waiting for the callback or the poller.
+    Pending { submitted_at: Timestamp },
+    Solved {
+        solution: Solution,
+        resolved_at: Timestamp,
+        via: Via,
+        token_clock_start: Timestamp,
+    },
+    Failed {
+        code: ErrorCode,
+        detail: Option<String>,
+        resolved_at: Timestamp,
+        via: Via,
+    },
+    /// No result came in time.
+    Expired { reason: String, resolved_at: Timestamp },
+}
+
+impl TaskState {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Submitting => "submitting",
+            Self::Pending { .. } => "pending",
+            Self::Solved { .. } => "solved",
+            Self::Failed { .. } => "failed",
+            Self::Expired { .. } => "expired",
+        }
+    }
+
+    pub fn is_final(&self) -> bool {
+        matches!(self, Self::Solved { .. } | Self::Failed { .. } | Self::Expired { .. })
+    }
+}
+
+/// A task as stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Task {
+    pub task_ref: TaskRef,
+    pub kind: CaptchaKind,
+    pub created_at: Timestamp,
+    /// Known once in.php answered, or once a callback carried it (whichever came first).
+    pub captcha_id: Option<CaptchaId>,
+    pub state: TaskState,
+}
+
+/// A transition that the current state does not allow.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TransitionError {
+    #[error("task is {from}, cannot {action}")]
+    NotAllowed { from: &'static str, action: &'static str },
+    #[error("result is for CaptchaAI id {got}, but the task has id {expected}")]
+    IdMismatch { expected: CaptchaId, got: CaptchaId },
+}
+
+/// What applying a delivery to a task amounts to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Applied {
+    /// The task had no result; this one is now its result.
+    Recorded(Task),
+    /// The task already has this very result: nothing to write.
+    Duplicate,
+    /// The task already has a different result; the first one stays.
+    Conflict,
+}
+
+impl Task {
+    pub fn new(task_ref: TaskRef, kind: CaptchaKind, now: Timestamp) -> Self {
+        Self { task_ref, kind, created_at: now, captcha_id: None, state: TaskState::Submitting }
+    }
+
+    /// In.php accepted the task under `id`.
+    pub fn submitted(self, id: CaptchaId, now: Timestamp) -> Result<Self, TransitionError> {
+        match self.state {
+            TaskState::Submitting => Ok(Self {
+                captcha_id: Some(id),
+                state: TaskState::Pending { submitted_at: now },
+                ..self
+            }),
+            ref other => Err(TransitionError::NotAllowed { from: other.name(), action: "mark submitted" }),
+        }
+    }
+
+    /// In.php refused the task for good (or transient errors outlasted the retries).
+    pub fn submit_failed(self, code: ErrorCode, detail: Option<String>, now: Timestamp) -> Result<Self, TransitionError> {
+        match self.state {
+            TaskState::Submitting => Ok(Self {
+                state: TaskState::Failed { code, detail, resolved_at: now, via: Via::Submit },
+                ..self
+            }),
+            ref other => Err(TransitionError::NotAllowed { from: other.name(), action: "fail the submit" }),
+        }
+    }
+
+    /// A result arrived (callback, poll or redrive).
+    pub fn apply(self, d: Delivery) -> Result<Applied, TransitionError> {
+        if let Some(expected) = &self.captcha_id
+            && *expected != d.captcha_id
+        {
+            return Err(TransitionError::IdMismatch { expected: expected.clone(), got: d.captcha_id });
+        }
+        match &self.state {
+            TaskState::Submitting | TaskState::Pending { .. } => {
+                let state = match d.outcome {
+                    Outcome::Solved(solution) => TaskState::Solved {
+                        solution,
+                        resolved_at: d.received_at,
+                        via: d.via,
+                        token_clock_start: d.token_clock_start,
+                    },
+                    Outcome::Failed(code) => {
+                        TaskState::Failed { code, detail: None, resolved_at: d.received_at, via: d.via }
+                    }
+                };
+                Ok(Applied::Recorded(Self { captcha_id: Some(d.captcha_id), state, ..self }))
+            }
+            TaskState::Solved { solution, .. } => Ok(match d.outcome {
+                Outcome::Solved(s) if s == *solution => Applied::Duplicate,
+                _ => Applied::Conflict,
+            }),
+            TaskState::Failed { code, .. } => Ok(match d.outcome {
+                Outcome::Failed(c) if c == *code => Applied::Duplicate,
+                _ => Applied::Conflict,
+            }),
+            // A result after the deadline is not applied: the caller has been told "expired".
+            TaskState::Expired { .. } => Ok(Applied::Conflict),
+        }
+    }
+
+    /// No answer came before the deadline.
+    pub fn expire(self, reason: String, now: Timestamp) -> Result<Self, TransitionError> {
+        match self.state {
+            TaskState::Submitting | TaskState::Pending { .. } => {
+                Ok(Self { state: TaskState::Expired { reason, resolved_at: now }, ..self })
+            }
+            ref other => Err(TransitionError::NotAllowed { from: other.name(), action: "expire" }),
+        }
+    }
+
+    /// When the solution stops being usable, if it is a solution that can expire.
+    pub fn solution_expires_at(&self) -> Option<Timestamp> {
+        match &self.state {
+            TaskState::Solved { token_clock_start, .. } => {
+                self.kind.token_lifetime().map(|life| token_clock_start.plus(life))
+            }
+            _ => None,
+        }
+    }
+
+    /// What the task looks like to its owner at `now`. A solution past its lifetime is
+    /// reported as expired and is not handed out.
+    pub fn view(&self, now: Timestamp) -> TaskView {
+        let mut v = TaskView {
+            task_ref: self.task_ref.clone(),
+            kind: self.kind,
+            status: self.state.name(),
+            created_at: self.created_at.to_rfc3339(),
+            captcha_id: self.captcha_id.clone(),
+            submitted_at: None,
+            solution: None,
+            error_code: None,
+            error_detail: None,
+            resolved_at: None,
+            resolved_via: None,
+            expires_at: None,
+        };
+        match &self.state {
+            TaskState::Submitting => {}
+            TaskState::Pending { submitted_at } => v.submitted_at = Some(submitted_at.to_rfc3339()),
+            TaskState::Solved { solution, resolved_at, via, .. } => {
+                v.resolved_at = Some(resolved_at.to_rfc3339());
+                v.resolved_via = Some(*via);
+                let expires_at = self.solution_expires_at();
+                v.expires_at = expires_at.map(Timestamp::to_rfc3339);
+                if expires_at.is_some_and(|e| now >= e) {
+                    v.status = "expired";
+                    v.error_code = Some("TOKEN_LIFETIME_ELAPSED".into());
+                    v.error_detail = Some("the solution is older than its token lifetime and was not handed out".into());
+                } else {
+                    v.solution = Some(solution.expose().to_owned());
+                }
+            }
+            TaskState::Failed { code, detail, resolved_at, via } => {
+                v.resolved_at = Some(resolved_at.to_rfc3339());
+                v.resolved_via = Some(*via);
+                v.error_code = Some(code.as_ref().to_owned());
+                v.error_detail.clone_from(detail);
+            }
+            TaskState::Expired { reason, resolved_at } => {
+                v.resolved_at = Some(resolved_at.to_rfc3339());
+                v.resolved_via = Some(Via::Deadline);
+                v.error_code = Some("DEADLINE_EXCEEDED".into());
+                v.error_detail = Some(reason.clone());
+            }
+        }
+        v
+    }
+}
+
+/// The JSON a task's owner sees from `GET /tasks/{ref}`.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct TaskView {
+    pub task_ref: TaskRef,
+    pub kind: CaptchaKind,
+    pub status: &'static str,
+    pub created_at: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub captcha_id: Option<CaptchaId>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub submitted_at: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub solution: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error_code: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error_detail: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub resolved_at: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub resolved_via: Option<Via>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expires_at: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(ms: u64) -> Timestamp {
+        Timestamp::from_millis(ms)
+    }
+
+    fn id(s: &str) -> CaptchaId {
+        CaptchaId::parse(s).expect("valid id")
+    }
+
+    fn solved(s: &str, via: Via, at: u64) -> Delivery {
+        Delivery {
+            captcha_id: id("42"),
+            outcome: Outcome::Solved(Solution::parse(s).expect("valid")),
+            received_at: t(at),
+            via,
+            token_clock_start: t(at),
+        }
+    }
+
+    fn pending_task(kind: CaptchaKind) -> Task {
+        Task::new(TaskRef::generate(), kind, t(0)).submitted(id("42"), t(100)).expect("submitting -> pending")
+    }
+
+    #[test]
+    fn task_ref_round_trips_and_rejects_garbage() {
+        let r = TaskRef::generate();
+        assert_eq!(TaskRef::parse(r.as_ref()).expect("own format parses"), r);
+        for bad in ["", "tsk_", "tsk_XYZ", "abc_0123456789abcdef0123456789abcdef", "tsk_0123456789ABCDEF0123456789abcdef"] {
+            assert!(TaskRef::parse(bad).is_err(), "{bad} should be rejected");
+        }
+        assert!(r.shard(8) < 8);
+    }
+
+    #[test]
+    fn captcha_id_accepts_json_number_and_string() {
+        let a: CaptchaId = serde_json::from_str("2122988149").expect("number");
+        let b: CaptchaId = serde_json::from_str("\"2122988149\"").expect("string");
+        assert_eq!(a, b);
+        assert!(serde_json::from_str::<CaptchaId>("\"\"").is_err());
+        assert!(serde_json::from_str::<CaptchaId>("\"12 34\"").is_err());
+        assert!(serde_json::from_str::<CaptchaId>("-1").is_err());
+    }
+
+    #[test]
+    fn solution_debug_never_shows_the_token() {
+        let s = Solution::parse("03AGdBq2-secret-token").expect("valid");
+        let shown = format!("{s:?}");
+        assert!(!shown.contains("secret"), "{shown}");
+        assert!(Solution::parse("").is_err());
+        assert!(Solution::parse(&"x".repeat(Solution::MAX_LEN + 1)).is_err());
+    }
+
+    #[test]
+    fn kinds_round_trip_and_carry_lifetimes() {
+        for k in CaptchaKind::ALL {
+            assert_eq!(CaptchaKind::parse(k.as_str()), Ok(k));
+        }
+        assert_eq!(CaptchaKind::Turnstile.token_lifetime(), Some(Duration::from_secs(300)));
+        assert_eq!(CaptchaKind::RecaptchaV2.token_lifetime(), Some(Duration::from_secs(120)));
+        assert_eq!(CaptchaKind::Image.token_lifetime(), None);
+    }
+
+    #[test]
+    fn submit_moves_submitting_to_pending_once() {
+        let task = pending_task(CaptchaKind::Turnstile);
+        assert_eq!(task.state, TaskState::Pending { submitted_at: t(100) });
+        assert_eq!(task.captcha_id, Some(id("42")));
+        assert!(matches!(task.submitted(id("43"), t(200)), Err(TransitionError::NotAllowed { from: "pending", .. })));
+    }
+
+    #[test]
+    fn submit_failure_is_only_possible_while_submitting() {
+        let failed = Task::new(TaskRef::generate(), CaptchaKind::Image, t(0))
+            .submit_failed(ErrorCode::parse("ERROR_ZERO_CAPTCHA_FILESIZE").expect("code"), None, t(5))
+            .expect("submitting -> failed");
+        assert!(matches!(failed.state, TaskState::Failed { via: Via::Submit, .. }));
+        assert!(pending_task(CaptchaKind::Image).submit_failed(ErrorCode::parse("ERROR_X").expect("code"), None, t(5)).is_err());
+    }
+
+    #[test]
+    fn first_result_is_recorded_then_duplicates_and_conflicts_change_nothing() {
+        let Applied::Recorded(task) = pending_task(CaptchaKind::Turnstile).apply(solved("tok", Via::Callback, 500)).expect("ok")
+        else {
+            panic!("first result must be recorded");
+        };
+        assert!(matches!(task.state, TaskState::Solved { via: Via::Callback, .. }));
+        assert_eq!(task.clone().apply(solved("tok", Via::Poll, 900)), Ok(Applied::Duplicate));
+        assert_eq!(task.apply(solved("other", Via::Callback, 900)), Ok(Applied::Conflict));
+    }
+
+    #[test]
+    fn error_code_result_fails_the_task_and_repeats_are_duplicates() {
+        let code = ErrorCode::parse("ERROR_CAPTCHA_UNSOLVABLE").expect("code");
+        let d = Delivery { outcome: Outcome::Failed(code.clone()), ..solved("x", Via::Callback, 10) };
+        let Ok(Applied::Recorded(task)) = pending_task(CaptchaKind::Hcaptcha).apply(d.clone()) else {
+            panic!("recorded")
+        };
+        assert!(matches!(&task.state, TaskState::Failed { code: c, .. } if *c == code));
+        assert_eq!(task.clone().apply(d), Ok(Applied::Duplicate));
+        assert_eq!(task.apply(solved("tok", Via::Poll, 20)), Ok(Applied::Conflict));
+    }
+
+    #[test]
+    fn result_with_another_captcha_id_is_refused() {
+        let d = Delivery { captcha_id: id("99"), ..solved("tok", Via::Callback, 10) };
+        assert!(matches!(pending_task(CaptchaKind::Image).apply(d), Err(TransitionError::IdMismatch { .. })));
+    }
+
+    #[test]
+    fn callback_that_outruns_the_submit_is_recorded_with_its_id() {
+        let task = Task::new(TaskRef::generate(), CaptchaKind::Image, t(0));
+        let Ok(Applied::Recorded(task)) = task.apply(solved("abc", Via::Callback, 10)) else { panic!("recorded") };
+        assert_eq!(task.captcha_id, Some(id("42")));
+        // The submit that finishes later cannot move it back to pending.
+        assert!(task.submitted(id("42"), t(20)).is_err());
+    }
+
+    #[test]
+    fn expiry_applies_to_open_tasks_only_and_blocks_late_results() {
+        let expired = pending_task(CaptchaKind::Image).expire("no answer in 10 min".into(), t(600_000)).expect("expire");
+        assert_eq!(expired.state.name(), "expired");
+        assert_eq!(expired.clone().apply(solved("late", Via::Poll, 700_000)), Ok(Applied::Conflict));
+        assert!(expired.expire("again".into(), t(1)).is_err());
+    }
+
+    #[test]
+    fn stale_solution_is_reported_expired_and_not_handed_out() {
+        let Ok(Applied::Recorded(task)) = pending_task(CaptchaKind::RecaptchaV2).apply(solved("tok", Via::Callback, 1_000)) else {
+            panic!("recorded")
+        };
+        let fresh = task.view(t(1_000 + 119_999));
+        assert_eq!(fresh.status, "solved");
+        assert_eq!(fresh.solution.as_deref(), Some("tok"));
+        assert_eq!(fresh.expires_at.as_deref(), Some(t(121_000).to_rfc3339().as_str()));
+        let stale = task.view(t(121_000));
+        assert_eq!(stale.status, "expired");
+        assert_eq!(stale.solution, None);
+        assert_eq!(stale.error_code.as_deref(), Some("TOKEN_LIFETIME_ELAPSED"));
+    }
+
+    #[test]
+    fn image_answers_never_go_stale() {
+        let Ok(Applied::Recorded(task)) = pending_task(CaptchaKind::Image).apply(solved("w68hp", Via::Poll, 1_000)) else {
+            panic!("recorded")
+        };
+        let v = task.view(t(10_000_000_000));
+        assert_eq!((v.status, v.solution.as_deref(), v.expires_at), ("solved", Some("w68hp"), None));
+    }
+}

@@ -1,0 +1,158 @@
+//! HTTP helpers for the Lambda handlers: JSON answers, problem bodies, path reading, and the
+//! caller check for the owner's routes.
+
+use lambda_http::{Body, Request, RequestExt, Response, request::RequestContext};
+use secrecy::{ExposeSecret, SecretString};
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq;
+
+/// A JSON response.
+pub fn json<T: Serialize>(status: u16, value: &T) -> Response<Body> {
+    let body = serde_json::to_string(value).unwrap_or_else(|_| "{}".into());
+    Response::builder()
+        .status(status)
+        .header("content-type", "application/json")
+        .body(Body::from(body))
+        .unwrap_or_else(|_| Response::new(Body::Empty))
+}
+
+/// An error body `{"error":{"code":…,"message":…}}`. The message is for the caller: it never
+/// carries an internal cause (that goes to the log).
+pub fn problem(status: u16, code: &str, message: impl Into<String>) -> Response<Body> {
+    #[derive(Serialize)]
+    struct Inner<'a> {
+        code: &'a str,
+        message: String,
+    }
+    #[derive(Serialize)]
+    struct Problem<'a> {
+        error: Inner<'a>,
+    }
+    json(status, &Problem { error: Inner { code, message: message.into() } })
+}
+
+/// Adds a header to a response.
+pub fn with_header(mut resp: Response<Body>, name: &'static str, value: &str) -> Response<Body> {
+    if let Ok(v) = http::HeaderValue::from_str(value) {
+        resp.headers_mut().insert(name, v);
+    }
+    resp
+}
+
+/// The path's segments after the API Gateway stage, if any (`/prod/tasks/x` → `[tasks, x]`).
+/// Works the same for Lambda events and for the local server.
+pub fn path_segments(req: &Request) -> Vec<String> {
+    let path = req.uri().path();
+    let mut segs: Vec<String> = path.split('/').filter(|s| !s.is_empty()).map(str::to_owned).collect();
+    if let Some(RequestContext::ApiGatewayV2(ctx)) = req.request_context_ref()
+        && let Some(stage) = ctx.stage.as_deref()
+        && stage != "$default"
+        && segs.first().map(String::as_str) == Some(stage)
+    {
+        segs.remove(0);
+    }
+    segs
+}
+
+/// The raw query string (`a=1&b=2`), from the URI.
+pub fn query_string(req: &Request) -> &str {
+    req.uri().query().unwrap_or("")
+}
+
+/// Who may call the owner's routes, resolved at cold start.
+#[derive(Clone)]
+pub enum Authorizer {
+    /// API Gateway checked SigV4; we only confirm an IAM identity is present.
+    Iam,
+    /// A bearer key, stored as its SHA-256 so the comparison is constant time and length-blind.
+    ApiKey([u8; 32]),
+}
+
+impl std::fmt::Debug for Authorizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Iam => "Authorizer::Iam",
+            Self::ApiKey(_) => "Authorizer::ApiKey(<secret>)",
+        })
+    }
+}
+
+impl Authorizer {
+    pub fn api_key(key: &SecretString) -> Self {
+        Self::ApiKey(Sha256::digest(key.expose_secret().as_bytes()).into())
+    }
+
+    /// `Ok(())` for an authorised caller, else the 401/403 to answer.
+    pub fn check(&self, req: &Request) -> Result<(), Box<Response<Body>>> {
+        match self {
+            Self::Iam => {
+                let has_iam = matches!(
+                    req.request_context_ref(),
+                    Some(RequestContext::ApiGatewayV2(ctx)) if ctx.authorizer.as_ref().is_some_and(|a| a.iam.is_some())
+                );
+                if has_iam {
+                    Ok(())
+                } else {
+                    Err(Box::new(problem(403, "forbidden", "this route requires IAM (SigV4) authorisation")))
+                }
+            }
+            Self::ApiKey(want) => {
+                let Some(header) = req.headers().get("authorization").and_then(|v| v.to_str().ok()) else {
+                    return Err(Box::new(with_header(
+                        problem(401, "unauthorized", "missing `Authorization: Bearer <api key>` header"),
+                        "www-authenticate",
+                        "Bearer",
+                    )));
+                };
+                let Some(given) = header.strip_prefix("Bearer ").or_else(|| header.strip_prefix("bearer ")) else {
+                    return Err(Box::new(with_header(
+                        problem(401, "unauthorized", "the Authorization header must use the Bearer scheme"),
+                        "www-authenticate",
+                        "Bearer",
+                    )));
+                };
+                let got: [u8; 32] = Sha256::digest(given.trim().as_bytes()).into();
+                if bool::from(got.ct_eq(want)) {
+                    Ok(())
+                } else {
+                    Err(Box::new(problem(403, "forbidden", "the API key is not valid")))
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(auth: Option<&str>) -> Request {
+        let mut b = http::Request::builder().uri("https://x.example/tasks");
+        if let Some(a) = auth {
+            b = b.header("authorization", a);
+        }
+        b.body(Body::Empty).expect("request")
+    }
+
+    #[test]
+    fn api_key_missing_wrong_and_right() {
+        let a = Authorizer::api_key(&SecretString::from("sekret".to_owned()));
+        assert_eq!(a.check(&req(None)).expect_err("missing").status(), 401);
+        assert_eq!(a.check(&req(Some("Basic abc"))).expect_err("scheme").status(), 401);
+        assert_eq!(a.check(&req(Some("Bearer nope"))).expect_err("wrong").status(), 403);
+        assert_eq!(a.check(&req(Some("Bearer sekre"))).expect_err("prefix").status(), 403);
+        assert!(a.check(&req(Some("Bearer sekret"))).is_ok());
+    }
+
+    #[test]
+    fn iam_mode_refuses_requests_without_an_iam_identity() {
+        assert_eq!(Authorizer::Iam.check(&req(None)).expect_err("no context").status(), 403);
+    }
+
+    #[test]
+    fn paths_are_split_into_segments() {
+        let r = http::Request::builder().uri("https://x.example/tasks/tsk_1/").body(Body::Empty).expect("request");
+        assert_eq!(path_segments(&r), ["tasks", "tsk_1"]);
+    }
+}

@@ -1,0 +1,458 @@
+//! The DynamoDB task store.
+//!
+//! One table keyed by our task reference (`pk`). Open tasks (submitting, pending) carry
+//! `poll_shard` + `poll_due_at`, which makes them appear in the sparse `due-for-poll` index;
+//! every final write removes both, so the index only ever lists work. `expires_ttl` (epoch
+//! seconds) lets DynamoDB's TTL delete a task after the retention period.
+//!
+//! Recording a result is one conditional `UpdateItem`. Its condition is the state machine's
+//! rule (`Task::apply`) written as a DynamoDB expression; when it is refused, DynamoDB hands
+//! back the old item (`ReturnValuesOnConditionCheckFailure=ALL_OLD`) and the same pure
+//! function tells duplicate from conflict from wrong id, with no extra read.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use aws_sdk_dynamodb::Client;
+use aws_sdk_dynamodb::error::{ProvideErrorMetadata, SdkError};
+use aws_sdk_dynamodb::types::{AttributeValue, ReturnValue, ReturnValuesOnConditionCheckFailure};
+
+use crate::codes::ErrorCode;
+use crate::domain::{Applied, CaptchaId, CaptchaKind, Delivery, Outcome, Task, TaskRef, TaskState, TransitionError, Via};
+use crate::time::Timestamp;
+
+/// Name of the sparse index of open tasks by the time they are due for a fallback poll.
+pub const DUE_INDEX: &str = "due-for-poll";
+/// The index is spread over this many partitions (`poll_shard` 0..N) so no key runs hot.
+pub const POLL_SHARDS: u8 = 4;
+
+mod attr {
+    pub const PK: &str = "pk";
+    pub const KIND: &str = "kind";
+    pub const STATE: &str = "state";
+    pub const CREATED_AT: &str = "created_at";
+    pub const CAPTCHA_ID: &str = "captcha_id";
+    pub const SUBMITTED_AT: &str = "submitted_at";
+    pub const SOLUTION: &str = "solution";
+    pub const ERROR_CODE: &str = "error_code";
+    pub const ERROR_DETAIL: &str = "error_detail";
+    pub const RESOLVED_AT: &str = "resolved_at";
+    pub const RESOLVED_VIA: &str = "resolved_via";
+    pub const TOKEN_CLOCK_START: &str = "token_clock_start";
+    pub const POLL_SHARD: &str = "poll_shard";
+    pub const POLL_DUE_AT: &str = "poll_due_at";
+    pub const EXPIRES_TTL: &str = "expires_ttl";
+}
+
+/// A store failure. Every variant says whether trying again may help.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum StoreError {
+    /// Throttling, a network fault, a 5xx: the SDK's own retries ran out.
+    #[error("task store unavailable: {0}")]
+    Unavailable(String),
+    /// The request itself was refused (validation, missing table): retrying will not help.
+    #[error("task store refused the request: {0}")]
+    Rejected(String),
+    /// An item that does not decode into a task.
+    #[error("stored task is malformed: {0}")]
+    Corrupt(String),
+}
+
+impl StoreError {
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, Self::Unavailable(_))
+    }
+}
+
+fn sdk_error<E, R>(err: SdkError<E, R>) -> StoreError
+where
+    E: ProvideErrorMetadata + std::error::Error + 'static,
+    R: std::fmt::Debug,
+{
+    let text = aws_sdk_dynamodb::error::DisplayErrorContext(&err).to_string();
+    match &err {
+        SdkError::ServiceError(se) => match se.err().code() {
+            Some(
+                "ValidationException" | "ResourceNotFoundException" | "AccessDeniedException"
+                | "UnrecognizedClientException" | "SerializationException",
+            ) => StoreError::Rejected(text),
+            _ => StoreError::Unavailable(text),
+        },
+        _ => StoreError::Unavailable(text),
+    }
+}
+
+/// What happened to a delivered result.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RecordOutcome {
+    /// This delivery is the task's result; the task as now stored.
+    Recorded(Task),
+    /// The task already had exactly this result. Nothing was written.
+    Duplicate(Task),
+    /// The task already had a different result, which stays. Nothing was written.
+    Conflict(Task),
+    /// The result names another CaptchaAI id than the task's. Nothing was written.
+    IdMismatch { expected: CaptchaId },
+    /// No task under that reference. Nothing was written.
+    NotFound,
+}
+
+/// What marking a task submitted amounted to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SubmitRecorded {
+    /// Now pending.
+    Pending(Task),
+    /// Its result had already arrived (the callback outran in.php's answer); left as it is.
+    AlreadyResolved(Task),
+}
+
+type Item = HashMap<String, AttributeValue>;
+
+fn s(v: &str) -> AttributeValue {
+    AttributeValue::S(v.to_owned())
+}
+
+fn n(v: u64) -> AttributeValue {
+    AttributeValue::N(v.to_string())
+}
+
+fn get_s<'a>(item: &'a Item, name: &str) -> Result<Option<&'a str>, StoreError> {
+    match item.get(name) {
+        None => Ok(None),
+        Some(AttributeValue::S(v)) => Ok(Some(v)),
+        Some(_) => Err(StoreError::Corrupt(format!("`{name}` is not a string"))),
+    }
+}
+
+fn req_s<'a>(item: &'a Item, name: &str) -> Result<&'a str, StoreError> {
+    get_s(item, name)?.ok_or_else(|| StoreError::Corrupt(format!("`{name}` missing")))
+}
+
+fn get_ts(item: &Item, name: &str) -> Result<Option<Timestamp>, StoreError> {
+    match item.get(name) {
+        None => Ok(None),
+        Some(AttributeValue::N(v)) => v
+            .parse()
+            .map(|ms| Some(Timestamp::from_millis(ms)))
+            .map_err(|_| StoreError::Corrupt(format!("`{name}` is not a whole number"))),
+        Some(_) => Err(StoreError::Corrupt(format!("`{name}` is not a number"))),
+    }
+}
+
+fn req_ts(item: &Item, name: &str) -> Result<Timestamp, StoreError> {
+    get_ts(item, name)?.ok_or_else(|| StoreError::Corrupt(format!("`{name}` missing")))
+}
+
+fn corrupt<E: std::fmt::Display>(name: &'static str) -> impl Fn(E) -> StoreError {
+    move |e| StoreError::Corrupt(format!("`{name}`: {e}"))
+}
+
+impl TryFrom<&Item> for Task {
+    type Error = StoreError;
+
+    fn try_from(item: &Item) -> Result<Self, StoreError> {
+        use attr::*;
+        let task_ref = TaskRef::parse(req_s(item, PK)?).map_err(corrupt(PK))?;
+        let kind = CaptchaKind::parse(req_s(item, KIND)?).map_err(corrupt(KIND))?;
+        let captcha_id = get_s(item, CAPTCHA_ID)?.map(CaptchaId::parse).transpose().map_err(corrupt(CAPTCHA_ID))?;
+        let via = || -> Result<Via, StoreError> { Via::parse(req_s(item, RESOLVED_VIA)?).map_err(corrupt(RESOLVED_VIA)) };
+        let state = match req_s(item, STATE)? {
+            "submitting" => TaskState::Submitting,
+            "pending" => TaskState::Pending { submitted_at: req_ts(item, SUBMITTED_AT)? },
+            "solved" => {
+                let resolved_at = req_ts(item, RESOLVED_AT)?;
+                TaskState::Solved {
+                    solution: crate::domain::Solution::parse(req_s(item, SOLUTION)?).map_err(corrupt(SOLUTION))?,
+                    resolved_at,
+                    via: via()?,
+                    token_clock_start: get_ts(item, TOKEN_CLOCK_START)?.unwrap_or(resolved_at),
+                }
+            }
+            "failed" => TaskState::Failed {
+                code: ErrorCode::parse(req_s(item, ERROR_CODE)?).map_err(corrupt(ERROR_CODE))?,
+                detail: get_s(item, ERROR_DETAIL)?.map(str::to_owned),
+                resolved_at: req_ts(item, RESOLVED_AT)?,
+                via: via()?,
+            },
+            "expired" => TaskState::Expired {
+                reason: get_s(item, ERROR_DETAIL)?.unwrap_or("deadline passed").to_owned(),
+                resolved_at: req_ts(item, RESOLVED_AT)?,
+            },
+            other => return Err(StoreError::Corrupt(format!("unknown state `{other}`"))),
+        };
+        Ok(Task { task_ref, kind, created_at: req_ts(item, CREATED_AT)?, captcha_id, state })
+    }
+}
+
+/// The DynamoDB task store. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct TaskStore {
+    client: Client,
+    table: String,
+    retention: Duration,
+}
+
+impl TaskStore {
+    pub fn new(client: Client, table: impl Into<String>, retention: Duration) -> Self {
+        Self { client, table: table.into(), retention }
+    }
+
+    pub fn table(&self) -> &str {
+        &self.table
+    }
+
+    fn ttl(&self, from: Timestamp) -> AttributeValue {
+        n(from.plus(self.retention).as_secs())
+    }
+
+    /// Records a new task (state submitting) before in.php is called. `deadline` is when the
+    /// poller should look at it if in.php's answer never gets stored.
+    pub async fn create(&self, task: &Task, deadline: Timestamp) -> Result<(), StoreError> {
+        use attr::*;
+        let item: Item = [
+            (PK, s(task.task_ref.as_ref())),
+            (KIND, s(task.kind.as_str())),
+            (STATE, s("submitting")),
+            (CREATED_AT, n(task.created_at.as_millis())),
+            (POLL_SHARD, n(u64::from(task.task_ref.shard(POLL_SHARDS)))),
+            (POLL_DUE_AT, n(deadline.as_millis())),
+            (EXPIRES_TTL, self.ttl(task.created_at)),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect();
+        self.client
+            .put_item()
+            .table_name(&self.table)
+            .set_item(Some(item))
+            .condition_expression("attribute_not_exists(pk)")
+            .send()
+            .await
+            .map_err(sdk_error)?;
+        Ok(())
+    }
+
+    /// In.php accepted the task: submitting → pending, due for a poll at `poll_due_at`.
+    pub async fn mark_submitted(
+        &self,
+        task_ref: &TaskRef,
+        id: &CaptchaId,
+        now: Timestamp,
+        poll_due_at: Timestamp,
+    ) -> Result<SubmitRecorded, StoreError> {
+        let res = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key(attr::PK, s(task_ref.as_ref()))
+            .update_expression("SET #state = :pending, captcha_id = :id, submitted_at = :now, poll_due_at = :due")
+            .condition_expression("#state = :submitting")
+            .expression_attribute_names("#state", attr::STATE)
+            .expression_attribute_values(":pending", s("pending"))
+            .expression_attribute_values(":submitting", s("submitting"))
+            .expression_attribute_values(":id", s(id.as_ref()))
+            .expression_attribute_values(":now", n(now.as_millis()))
+            .expression_attribute_values(":due", n(poll_due_at.as_millis()))
+            .return_values(ReturnValue::AllNew)
+            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
+            .send()
+            .await;
+        match res {
+            Ok(out) => Ok(SubmitRecorded::Pending(decode(out.attributes.as_ref())?)),
+            Err(e) => match refused_item(&e) {
+                Some(Some(old)) => Ok(SubmitRecorded::AlreadyResolved(Task::try_from(old)?)),
+                Some(None) => Err(StoreError::Rejected(format!("task {task_ref} does not exist"))),
+                None => Err(sdk_error(e)),
+            },
+        }
+    }
+
+    /// In.php refused the task: submitting → failed. Returns the task as stored; if it had
+    /// already left submitting (a callback came first), that state is kept and returned.
+    pub async fn mark_submit_failed(
+        &self,
+        task_ref: &TaskRef,
+        code: &str,
+        detail: &str,
+        now: Timestamp,
+    ) -> Result<Task, StoreError> {
+        let res = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key(attr::PK, s(task_ref.as_ref()))
+            .update_expression(
+                "SET #state = :failed, error_code = :code, error_detail = :detail, resolved_at = :now, \
+                 resolved_via = :via, expires_ttl = :ttl REMOVE poll_due_at, poll_shard",
+            )
+            .condition_expression("#state = :submitting")
+            .expression_attribute_names("#state", attr::STATE)
+            .expression_attribute_values(":failed", s("failed"))
+            .expression_attribute_values(":submitting", s("submitting"))
+            .expression_attribute_values(":code", s(code))
+            .expression_attribute_values(":detail", s(detail))
+            .expression_attribute_values(":now", n(now.as_millis()))
+            .expression_attribute_values(":via", s(Via::Submit.as_str()))
+            .expression_attribute_values(":ttl", self.ttl(now))
+            .return_values(ReturnValue::AllNew)
+            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
+            .send()
+            .await;
+        match res {
+            Ok(out) => decode(out.attributes.as_ref()),
+            Err(e) => match refused_item(&e) {
+                Some(Some(old)) => Task::try_from(old),
+                Some(None) => Err(StoreError::Rejected(format!("task {task_ref} does not exist"))),
+                None => Err(sdk_error(e)),
+            },
+        }
+    }
+
+    /// Records a delivered result with ONE conditional write. Applied exactly once however
+    /// many times, and by however many paths, it is delivered.
+    pub async fn record_result(&self, task_ref: &TaskRef, d: &Delivery) -> Result<RecordOutcome, StoreError> {
+        let mut req = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key(attr::PK, s(task_ref.as_ref()))
+            .condition_expression(
+                "attribute_exists(pk) AND #state IN (:submitting, :pending) \
+                 AND (attribute_not_exists(captcha_id) OR captcha_id = :id)",
+            )
+            .expression_attribute_names("#state", attr::STATE)
+            .expression_attribute_values(":submitting", s("submitting"))
+            .expression_attribute_values(":pending", s("pending"))
+            .expression_attribute_values(":id", s(d.captcha_id.as_ref()))
+            .expression_attribute_values(":at", n(d.received_at.as_millis()))
+            .expression_attribute_values(":via", s(d.via.as_str()))
+            .expression_attribute_values(":ttl", self.ttl(d.received_at))
+            .return_values(ReturnValue::AllNew)
+            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld);
+        const COMMON: &str = "captcha_id = :id, resolved_at = :at, resolved_via = :via, expires_ttl = :ttl";
+        const CLEAR: &str = "REMOVE poll_due_at, poll_shard";
+        req = match &d.outcome {
+            Outcome::Solved(solution) => req
+                .update_expression(format!(
+                    "SET #state = :solved, solution = :solution, token_clock_start = :clock, {COMMON} {CLEAR}"
+                ))
+                .expression_attribute_values(":solved", s("solved"))
+                .expression_attribute_values(":solution", s(solution.expose()))
+                .expression_attribute_values(":clock", n(d.token_clock_start.as_millis())),
+            Outcome::Failed(code) => req
+                .update_expression(format!("SET #state = :failed, error_code = :code, {COMMON} {CLEAR}"))
+                .expression_attribute_values(":failed", s("failed"))
+                .expression_attribute_values(":code", s(code.as_ref())),
+        };
+        match req.send().await {
+            Ok(out) => Ok(RecordOutcome::Recorded(decode(out.attributes.as_ref())?)),
+            Err(e) => match refused_item(&e) {
+                Some(None) => Ok(RecordOutcome::NotFound),
+                Some(Some(old)) => {
+                    let old = Task::try_from(old)?;
+                    match old.clone().apply(d.clone()) {
+                        Ok(Applied::Duplicate) => Ok(RecordOutcome::Duplicate(old)),
+                        Ok(Applied::Conflict) => Ok(RecordOutcome::Conflict(old)),
+                        Err(TransitionError::IdMismatch { expected, .. }) => Ok(RecordOutcome::IdMismatch { expected }),
+                        // The condition and the state machine disagree: the item is not what
+                        // this code writes. Say so rather than guess.
+                        Ok(Applied::Recorded(_)) | Err(TransitionError::NotAllowed { .. }) => Err(StoreError::Corrupt(
+                            format!("task {task_ref} refused a result the state machine allows (state {})", old.state.name()),
+                        )),
+                    }
+                }
+                None => Err(sdk_error(e)),
+            },
+        }
+    }
+
+    /// Reads a task (strongly consistent).
+    pub async fn get(&self, task_ref: &TaskRef) -> Result<Option<Task>, StoreError> {
+        let out = self
+            .client
+            .get_item()
+            .table_name(&self.table)
+            .key(attr::PK, s(task_ref.as_ref()))
+            .consistent_read(true)
+            .send()
+            .await
+            .map_err(sdk_error)?;
+        out.item.as_ref().map(Task::try_from).transpose()
+    }
+}
+
+fn decode(item: Option<&Item>) -> Result<Task, StoreError> {
+    Task::try_from(item.ok_or_else(|| StoreError::Corrupt("write returned no attributes".into()))?)
+}
+
+/// For a refused conditional write: `Some(old item or None if there was none)`. `None` if the
+/// error is anything else.
+fn refused_item<R>(err: &SdkError<aws_sdk_dynamodb::operation::update_item::UpdateItemError, R>) -> Option<Option<&Item>> {
+    use aws_sdk_dynamodb::operation::update_item::UpdateItemError;
+    match err {
+        SdkError::ServiceError(se) => match se.err() {
+            UpdateItemError::ConditionalCheckFailedException(c) => Some(c.item.as_ref().filter(|i| !i.is_empty())),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
+/// The table's shape, as `template.yaml` declares it, for tests and local mode.
+pub mod schema {
+    use aws_sdk_dynamodb::types::{
+        AttributeDefinition, BillingMode, GlobalSecondaryIndex, KeySchemaElement, KeyType, Projection,
+        ProjectionType, ScalarAttributeType, TimeToLiveSpecification,
+    };
+
+    use super::{Client, DUE_INDEX, StoreError, attr, sdk_error};
+
+    fn key(name: &str, t: KeyType) -> Result<KeySchemaElement, StoreError> {
+        KeySchemaElement::builder().attribute_name(name).key_type(t).build().map_err(|e| StoreError::Rejected(e.to_string()))
+    }
+
+    fn def(name: &str, t: ScalarAttributeType) -> Result<AttributeDefinition, StoreError> {
+        AttributeDefinition::builder()
+            .attribute_name(name)
+            .attribute_type(t)
+            .build()
+            .map_err(|e| StoreError::Rejected(e.to_string()))
+    }
+
+    /// Creates the task table with its due-for-poll index and TTL.
+    pub async fn create_table(client: &Client, table: &str) -> Result<(), StoreError> {
+        let index = GlobalSecondaryIndex::builder()
+            .index_name(DUE_INDEX)
+            .key_schema(key(attr::POLL_SHARD, KeyType::Hash)?)
+            .key_schema(key(attr::POLL_DUE_AT, KeyType::Range)?)
+            .projection(Projection::builder().projection_type(ProjectionType::All).build())
+            .build()
+            .map_err(|e| StoreError::Rejected(e.to_string()))?;
+        client
+            .create_table()
+            .table_name(table)
+            .billing_mode(BillingMode::PayPerRequest)
+            .attribute_definitions(def(attr::PK, ScalarAttributeType::S)?)
+            .attribute_definitions(def(attr::POLL_SHARD, ScalarAttributeType::N)?)
+            .attribute_definitions(def(attr::POLL_DUE_AT, ScalarAttributeType::N)?)
+            .key_schema(key(attr::PK, KeyType::Hash)?)
+            .global_secondary_indexes(index)
+            .send()
+            .await
+            .map_err(sdk_error)?;
+        client
+            .update_time_to_live()
+            .table_name(table)
+            .time_to_live_specification(
+                TimeToLiveSpecification::builder()
+                    .enabled(true)
+                    .attribute_name(attr::EXPIRES_TTL)
+                    .build()
+                    .map_err(|e| StoreError::Rejected(e.to_string()))?,
+            )
+            .send()
+            .await
+            .map_err(sdk_error)?;
+        Ok(())
+    }
+}
