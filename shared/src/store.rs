@@ -456,3 +456,194 @@ pub mod schema {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::domain::Solution;
+    use crate::testkit::LocalDynamo;
+
+    fn t(ms: u64) -> Timestamp {
+        Timestamp::from_millis(ms)
+    }
+
+    fn id(v: &str) -> CaptchaId {
+        CaptchaId::parse(v).expect("id")
+    }
+
+    fn delivery(captcha: &str, outcome: Outcome, at: u64) -> Delivery {
+        Delivery { captcha_id: id(captcha), outcome, received_at: t(at), via: Via::Callback, token_clock_start: t(at) }
+    }
+
+    fn solved(token: &str) -> Outcome {
+        Outcome::Solved(Solution::parse(token).expect("token"))
+    }
+
+    async fn pending(store: &TaskStore, kind: CaptchaKind) -> Task {
+        let task = Task::new(TaskRef::generate(), kind, t(1_000));
+        store.create(&task, t(600_000)).await.expect("create");
+        match store.mark_submitted(&task.task_ref, &id("42"), t(2_000), t(122_000)).await.expect("submit") {
+            SubmitRecorded::Pending(task) => task,
+            other => panic!("expected pending, got {other:?}"),
+        }
+    }
+
+    async fn raw(store: &TaskStore, r: &TaskRef) -> Item {
+        store
+            .client
+            .get_item()
+            .table_name(store.table())
+            .key(attr::PK, s(r.as_ref()))
+            .send()
+            .await
+            .expect("get")
+            .item
+            .expect("exists")
+    }
+
+    async fn due_refs(store: &TaskStore, now: u64) -> Vec<String> {
+        let mut refs = Vec::new();
+        for shard in 0..POLL_SHARDS {
+            let out = store
+                .client
+                .query()
+                .table_name(store.table())
+                .index_name(DUE_INDEX)
+                .key_condition_expression("poll_shard = :s AND poll_due_at <= :now")
+                .expression_attribute_values(":s", n(u64::from(shard)))
+                .expression_attribute_values(":now", n(now))
+                .send()
+                .await
+                .expect("query");
+            refs.extend(out.items().iter().filter_map(|i| get_s(i, attr::PK).ok().flatten().map(str::to_owned)));
+        }
+        refs
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_task_is_created_submitted_and_read_back() -> anyhow::Result<()> {
+        let db = LocalDynamo::start().await?;
+        let store = db.fresh_store().await?;
+        let task = Task::new(TaskRef::generate(), CaptchaKind::Turnstile, t(1_000));
+        store.create(&task, t(600_000)).await?;
+        assert_eq!(store.get(&task.task_ref).await?, Some(task.clone()));
+        assert!(store.create(&task, t(1)).await.is_err(), "a reference is never created twice");
+        let SubmitRecorded::Pending(p) = store.mark_submitted(&task.task_ref, &id("42"), t(2_000), t(122_000)).await? else {
+            panic!("pending expected")
+        };
+        assert_eq!(p.state, TaskState::Pending { submitted_at: t(2_000) });
+        assert_eq!(store.get(&task.task_ref).await?, Some(p));
+        let item = raw(&store, &task.task_ref).await;
+        assert_eq!(item.get(attr::POLL_DUE_AT), Some(&n(122_000)));
+        assert_eq!(item.get(attr::EXPIRES_TTL), Some(&n(1 + 7 * 86_400)), "TTL = created + 7 days, in seconds");
+        assert_eq!(store.get(&TaskRef::generate()).await?, None);
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn first_result_is_written_and_repeats_are_classified_without_writing() -> anyhow::Result<()> {
+        let db = LocalDynamo::start().await?;
+        let store = db.fresh_store().await?;
+        let task = pending(&store, CaptchaKind::RecaptchaV2).await;
+        let r = &task.task_ref;
+
+        let RecordOutcome::Recorded(done) = store.record_result(r, &delivery("42", solved("tok-1"), 5_000)).await? else {
+            panic!("first result must be recorded")
+        };
+        assert!(matches!(&done.state, TaskState::Solved { solution, via: Via::Callback, .. } if solution.expose() == "tok-1"));
+        let before = raw(&store, r).await;
+        assert!(!before.contains_key(attr::POLL_DUE_AT) && !before.contains_key(attr::POLL_SHARD), "resolved tasks leave the index");
+
+        assert!(matches!(store.record_result(r, &delivery("42", solved("tok-1"), 6_000)).await?, RecordOutcome::Duplicate(_)));
+        assert!(matches!(store.record_result(r, &delivery("42", solved("tok-2"), 6_000)).await?, RecordOutcome::Conflict(_)));
+        let failed = Outcome::Failed(ErrorCode::parse("ERROR_CAPTCHA_UNSOLVABLE")?);
+        assert!(matches!(store.record_result(r, &delivery("42", failed, 6_000)).await?, RecordOutcome::Conflict(_)));
+        assert_eq!(raw(&store, r).await, before, "nothing was written by the repeats");
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn wrong_id_and_unknown_reference_write_nothing() -> anyhow::Result<()> {
+        let db = LocalDynamo::start().await?;
+        let store = db.fresh_store().await?;
+        let task = pending(&store, CaptchaKind::Image).await;
+        let before = raw(&store, &task.task_ref).await;
+        let got = store.record_result(&task.task_ref, &delivery("99", solved("x"), 5_000)).await?;
+        assert_eq!(got, RecordOutcome::IdMismatch { expected: id("42") });
+        assert_eq!(raw(&store, &task.task_ref).await, before);
+        let nowhere = TaskRef::generate();
+        assert_eq!(store.record_result(&nowhere, &delivery("42", solved("x"), 5_000)).await?, RecordOutcome::NotFound);
+        assert_eq!(store.get(&nowhere).await?, None, "a result for an unknown task creates nothing");
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn callback_that_outruns_the_submit_wins_and_the_submit_leaves_it() -> anyhow::Result<()> {
+        let db = LocalDynamo::start().await?;
+        let store = db.fresh_store().await?;
+        let task = Task::new(TaskRef::generate(), CaptchaKind::Hcaptcha, t(1_000));
+        store.create(&task, t(600_000)).await?;
+        let RecordOutcome::Recorded(_) = store.record_result(&task.task_ref, &delivery("42", solved("early"), 1_500)).await? else {
+            panic!("recorded")
+        };
+        let SubmitRecorded::AlreadyResolved(t2) = store.mark_submitted(&task.task_ref, &id("42"), t(2_000), t(9)).await? else {
+            panic!("already resolved")
+        };
+        assert_eq!(t2.state.name(), "solved");
+        assert_eq!(t2.captcha_id, Some(id("42")));
+        assert!(!raw(&store, &task.task_ref).await.contains_key(attr::POLL_DUE_AT));
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_refused_submit_is_stored_as_failed_with_the_reason() -> anyhow::Result<()> {
+        let db = LocalDynamo::start().await?;
+        let store = db.fresh_store().await?;
+        let task = Task::new(TaskRef::generate(), CaptchaKind::Image, t(1_000));
+        store.create(&task, t(600_000)).await?;
+        let failed = store.mark_submit_failed(&task.task_ref, "ERROR_ZERO_CAPTCHA_FILESIZE", "in.php refused", t(1_100)).await?;
+        assert!(matches!(&failed.state, TaskState::Failed { code, via: Via::Submit, .. } if code.as_ref() == "ERROR_ZERO_CAPTCHA_FILESIZE"));
+        assert!(due_refs(&store, u64::MAX / 2).await.is_empty());
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn due_index_lists_only_open_tasks() -> anyhow::Result<()> {
+        let db = LocalDynamo::start().await?;
+        let store = db.fresh_store().await?;
+        let open = pending(&store, CaptchaKind::Image).await;
+        let done = pending(&store, CaptchaKind::Image).await;
+        store.record_result(&done.task_ref, &delivery("42", solved("x"), 3_000)).await?;
+        assert_eq!(due_refs(&store, 122_000).await, vec![open.task_ref.to_string()]);
+        assert!(due_refs(&store, 121_999).await.is_empty(), "not due before its time");
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn fifty_concurrent_deliveries_write_exactly_once() -> anyhow::Result<()> {
+        let db = LocalDynamo::start().await?;
+        let store = db.fresh_store().await?;
+        for tokens in [vec!["same"], vec!["first", "second"]] {
+            let task = pending(&store, CaptchaKind::Turnstile).await;
+            let mut handles = Vec::new();
+            for i in 0..50usize {
+                let (store, r) = (store.clone(), task.task_ref.clone());
+                let d = delivery("42", solved(tokens[i % tokens.len()]), 5_000 + i as u64);
+                handles.push(tokio::spawn(async move { store.record_result(&r, &d).await }));
+            }
+            let mut recorded = Vec::new();
+            let mut others = 0;
+            for h in handles {
+                match h.await?? {
+                    RecordOutcome::Recorded(t) => recorded.push(t),
+                    RecordOutcome::Duplicate(_) | RecordOutcome::Conflict(_) => others += 1,
+                    other => panic!("unexpected {other:?}"),
+                }
+            }
+            assert_eq!(recorded.len(), 1, "exactly one write wins ({tokens:?})");
+            assert_eq!(others, 49);
+            assert_eq!(store.get(&task.task_ref).await?, Some(recorded.remove(0)), "the stored result is the winner's");
+        }
+        Ok(())
+    }
+}
