@@ -197,6 +197,11 @@ impl TaskStore {
         Self { client, table: table.into(), retention }
     }
 
+    /// A store built from the cold-start AWS configuration.
+    pub fn from_config(aws: &aws_config::SdkConfig, cfg: &crate::config::StoreConfig) -> Self {
+        Self::new(Client::new(aws), cfg.table.clone(), cfg.retention)
+    }
+
     pub fn table(&self) -> &str {
         &self.table
     }

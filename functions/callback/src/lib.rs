@@ -1,1 +1,351 @@
+//! The callback function: CaptchaAI's pingback lands here, at `/callback/{ref}/{signature}`.
+//!
+//! What happens when a callback arrives: the path's signature is checked, the `id` and `code`
+//! are read (GET query or POST form), and [`TaskStore::record_result`] applies the result with
+//! one conditional write — exactly once, however often it is delivered.
 
+use std::sync::Arc;
+
+use lambda_http::{Body, Request, Response};
+use relay_shared::codes::{CodeClass, ErrorCode, classify, is_error_code};
+use relay_shared::domain::{CaptchaId, Delivery, Outcome, Solution, TaskRef, Via};
+use relay_shared::http::{json, path_segments, problem, query_string, with_header};
+use relay_shared::signing::CallbackSigner;
+use relay_shared::store::{RecordOutcome, TaskStore};
+use relay_shared::time::Clock;
+use serde::Deserialize;
+
+/// Largest pingback body accepted. Real ones are an id and a token of a few KiB.
+pub const MAX_BODY: usize = 16 * 1024;
+
+/// What the handler needs, built once at cold start.
+#[derive(Debug, Clone)]
+pub struct Deps {
+    pub store: TaskStore,
+    pub signer: CallbackSigner,
+    pub clock: Arc<dyn Clock>,
+}
+
+impl Deps {
+    /// Reads the configuration and secrets (once, at cold start).
+    pub async fn from_env() -> anyhow::Result<Self> {
+        use anyhow::Context;
+        let cfg = relay_shared::config::CallbackConfig::from_settings(&relay_shared::config::Settings::from_env())?;
+        let aws = relay_shared::aws_config().await;
+        let secret = relay_shared::secrets::SecretLoader::new(&aws)
+            .load(&cfg.signing_secret)
+            .await
+            .context("loading the callback signing secret")?;
+        Ok(Self {
+            store: TaskStore::from_config(&aws, &cfg.store),
+            signer: CallbackSigner::new(secret),
+            clock: Arc::new(relay_shared::time::SystemClock),
+        })
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct Params {
+    id: Option<String>,
+    code: Option<String>,
+}
+
+/// Reads `id` and `code` from the query (GET) or the form body (POST).
+fn read_params(req: &Request) -> Result<Params, Response<Body>> {
+    let method = req.method().as_str();
+    let query = || {
+        serde_urlencoded::from_str::<Params>(query_string(req))
+            .map_err(|_| problem(400, "malformed_query", "the query string is not valid URL encoding"))
+    };
+    match method {
+        "GET" => query(),
+        "POST" => {
+            let body: &[u8] = req.body().as_ref();
+            if body.len() > MAX_BODY {
+                return Err(problem(413, "body_too_large", format!("the body is over {MAX_BODY} bytes")));
+            }
+            if body.is_empty() {
+                // Some senders POST with the fields in the query string.
+                return query();
+            }
+            let ctype = req.headers().get("content-type").and_then(|v| v.to_str().ok()).unwrap_or("");
+            if !ctype.to_ascii_lowercase().starts_with("application/x-www-form-urlencoded") {
+                return Err(problem(
+                    415,
+                    "unsupported_media_type",
+                    "a POST pingback must be application/x-www-form-urlencoded",
+                ));
+            }
+            serde_urlencoded::from_bytes::<Params>(body)
+                .map_err(|_| problem(400, "malformed_body", "the body is not a valid form (id=…&code=…)"))
+        }
+        _ => Err(with_header(problem(405, "method_not_allowed", "use GET or POST"), "allow", "GET, POST")),
+    }
+}
+
+/// Turns the pingback's fields into a delivery, or says which field is wrong.
+fn read_delivery(p: Params, now: relay_shared::time::Timestamp) -> Result<Delivery, Response<Body>> {
+    let id = p.id.filter(|v| !v.is_empty()).ok_or_else(|| problem(400, "missing_id", "the pingback has no `id`"))?;
+    let code = p.code.filter(|v| !v.is_empty()).ok_or_else(|| problem(400, "missing_code", "the pingback has no `code`"))?;
+    let captcha_id = CaptchaId::parse(&id).map_err(|e| problem(400, "invalid_id", e.0))?;
+    let outcome = if is_error_code(&code) {
+        if classify(&code) == CodeClass::NotReady {
+            return Err(problem(422, "not_a_result", "`CAPCHA_NOT_READY` is not a result"));
+        }
+        Outcome::Failed(ErrorCode::parse(&code).map_err(|e| problem(400, "invalid_code", e.0))?)
+    } else {
+        Outcome::Solved(Solution::parse(&code).map_err(|e| problem(400, "invalid_code", e.0))?)
+    };
+    // A pingback comes right after the solve, so the token's clock starts now.
+    Ok(Delivery { captcha_id, outcome, received_at: now, via: Via::Callback, token_clock_start: now })
+}
+
+fn outcome_label(o: &Outcome) -> String {
+    match o {
+        Outcome::Solved(s) => format!("solved ({})", relay_shared::telemetry::redact(s.expose())),
+        Outcome::Failed(c) => format!("failed ({c})"),
+    }
+}
+
+/// The Lambda entry point. Never fails: every outcome is an HTTP answer.
+pub async fn handle(req: Request, deps: &Deps) -> Result<Response<Body>, lambda_http::Error> {
+    Ok(respond(req, deps).await)
+}
+
+/// Handles one pingback.
+pub async fn respond(req: Request, deps: &Deps) -> Response<Body> {
+    handle_inner(req, deps).await.unwrap_or_else(|resp| resp)
+}
+
+async fn handle_inner(req: Request, deps: &Deps) -> Result<Response<Body>, Response<Body>> {
+    let segs = path_segments(&req);
+    let (raw_ref, sig) = match segs.as_slice() {
+        [c, r, s] if c == "callback" => (r.as_str(), s.as_str()),
+        [c, _] | [c] if c == "callback" => return Err(problem(403, "bad_signature", "the callback path has no signature")),
+        _ => return Err(problem(404, "no_route", "no such route")),
+    };
+    // A malformed reference cannot carry a valid signature: same answer, nothing revealed.
+    let task_ref = TaskRef::parse(raw_ref).ok().filter(|r| deps.signer.verify(r, sig)).ok_or_else(|| {
+        tracing::warn!(event = "callback_rejected", reason = "bad_signature", "callback with a bad signature");
+        problem(403, "bad_signature", "the callback signature is not valid")
+    })?;
+    let delivery = read_delivery(read_params(&req)?, deps.clock.now()).inspect_err(|r| {
+        tracing::warn!(event = "callback_rejected", task_ref = %task_ref, status = r.status().as_u16(), "malformed callback");
+    })?;
+    let span = tracing::info_span!("callback", task_ref = %task_ref, captcha_id = %delivery.captcha_id);
+    let _enter = span.enter();
+    let outcome = outcome_label(&delivery.outcome);
+    match deps.store.record_result(&task_ref, &delivery).await {
+        Ok(RecordOutcome::Recorded(_)) => {
+            tracing::info!(event = "callback_recorded", outcome, "result recorded");
+            Ok(json(200, &serde_json::json!({ "outcome": "recorded" })))
+        }
+        Ok(RecordOutcome::Duplicate(_)) => {
+            tracing::info!(event = "callback_duplicate", "duplicate delivery absorbed");
+            Ok(json(200, &serde_json::json!({ "outcome": "duplicate" })))
+        }
+        Ok(RecordOutcome::Conflict(existing)) => {
+            tracing::warn!(event = "callback_conflict", existing = existing.state.name(), outcome, "a different result was already recorded; the first one stays");
+            Ok(json(200, &serde_json::json!({ "outcome": "conflict" })))
+        }
+        Ok(RecordOutcome::IdMismatch { expected }) => {
+            tracing::warn!(event = "callback_rejected", reason = "id_mismatch", %expected, "callback for another CaptchaAI id");
+            Err(problem(409, "id_mismatch", "the `id` is not this task's CaptchaAI id"))
+        }
+        Ok(RecordOutcome::NotFound) => {
+            tracing::warn!(event = "callback_rejected", reason = "unknown_task", "callback for an unknown task");
+            Err(problem(404, "unknown_task", "no such task"))
+        }
+        Err(e) => {
+            tracing::error!(event = "callback_store_failed", error = %e, retryable = e.is_retryable(), "could not record the result");
+            Err(problem(503, "store_unavailable", "the result could not be stored; deliver it again later"))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use relay_shared::domain::{CaptchaKind, Task, TaskState};
+    use relay_shared::store::SubmitRecorded;
+    use relay_shared::testkit::{ApiGatewayEvent, LocalDynamo};
+    use relay_shared::time::{ManualClock, Timestamp};
+    use secrecy::SecretString;
+
+    struct World {
+        _db: LocalDynamo,
+        deps: Deps,
+    }
+
+    async fn world() -> anyhow::Result<World> {
+        let db = LocalDynamo::start().await?;
+        let deps = Deps {
+            store: db.fresh_store().await?,
+            signer: CallbackSigner::new(SecretString::from("test-signing-secret".to_owned())),
+            clock: Arc::new(ManualClock::at(Timestamp::from_millis(1_796_210_146_000))),
+        };
+        Ok(World { _db: db, deps })
+    }
+
+    impl World {
+        async fn pending_task(&self) -> anyhow::Result<TaskRef> {
+            let now = self.deps.clock.now();
+            let task = Task::new(TaskRef::generate(), CaptchaKind::Turnstile, now);
+            self.deps.store.create(&task, now).await?;
+            let id = CaptchaId::parse("777")?;
+            let SubmitRecorded::Pending(_) = self.deps.store.mark_submitted(&task.task_ref, &id, now, now).await? else {
+                anyhow::bail!("not pending")
+            };
+            Ok(task.task_ref)
+        }
+
+        fn path(&self, r: &TaskRef) -> String {
+            format!("/callback/{r}/{}", self.deps.signer.sign(r))
+        }
+
+        async fn get(&self, path: &str, query: &str) -> Response<Body> {
+            respond(ApiGatewayEvent::new("GET", path).query(query).build(), &self.deps).await
+        }
+
+        async fn post(&self, path: &str, body: &str) -> Response<Body> {
+            let ev = ApiGatewayEvent::new("POST", path)
+                .header("content-type", "application/x-www-form-urlencoded")
+                .body(body);
+            respond(ev.build(), &self.deps).await
+        }
+
+        async fn state(&self, r: &TaskRef) -> TaskState {
+            self.deps.store.get(r).await.expect("get").expect("exists").state
+        }
+    }
+
+    fn text(r: &Response<Body>) -> String {
+        String::from_utf8_lossy(r.body().as_ref()).into_owned()
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn get_and_post_pingbacks_solve_the_task_once() -> anyhow::Result<()> {
+        let w = world().await?;
+        for post in [false, true] {
+            let r = w.pending_task().await?;
+            let path = w.path(&r);
+            let first =
+                if post { w.post(&path, "id=777&code=tok-A").await } else { w.get(&path, "id=777&code=tok-A").await };
+            assert_eq!(first.status(), 200, "{}", text(&first));
+            assert!(text(&first).contains("recorded"));
+            assert!(matches!(w.state(&r).await, TaskState::Solved { solution, via: Via::Callback, .. } if solution.expose() == "tok-A"));
+            let again = if post { w.post(&path, "id=777&code=tok-A").await } else { w.get(&path, "id=777&code=tok-A").await };
+            assert_eq!((again.status().as_u16(), text(&again).contains("duplicate")), (200, true));
+            let other = w.get(&path, "id=777&code=tok-B").await;
+            assert_eq!((other.status().as_u16(), text(&other).contains("conflict")), (200, true));
+            assert!(matches!(w.state(&r).await, TaskState::Solved { solution, .. } if solution.expose() == "tok-A"), "first result stays");
+        }
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn an_error_code_fails_the_task_with_that_code() -> anyhow::Result<()> {
+        let w = world().await?;
+        let r = w.pending_task().await?;
+        let resp = w.post(&w.path(&r), "id=777&code=ERROR_CAPTCHA_UNSOLVABLE").await;
+        assert_eq!(resp.status(), 200);
+        assert!(matches!(w.state(&r).await, TaskState::Failed { code, .. } if code.as_ref() == "ERROR_CAPTCHA_UNSOLVABLE"));
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn forged_unknown_and_wrong_id_callbacks_write_nothing() -> anyhow::Result<()> {
+        let w = world().await?;
+        let r = w.pending_task().await?;
+        let other = TaskRef::generate();
+        let forged = [
+            format!("/callback/{r}/{}", w.deps.signer.sign(&other)),
+            format!("/callback/{r}/{}", "0".repeat(64)),
+            format!("/callback/{r}"),
+            format!("/callback/not-a-ref/{}", w.deps.signer.sign(&r)),
+        ];
+        for path in &forged {
+            assert_eq!(w.get(path, "id=777&code=tok").await.status(), 403, "GET {path}");
+            assert_eq!(w.post(path, "id=777&code=tok").await.status(), 403, "POST {path}");
+        }
+        assert_eq!(w.get(&w.path(&other), "id=777&code=tok").await.status(), 404, "signed but unknown");
+        assert_eq!(w.post(&w.path(&other), "id=777&code=tok").await.status(), 404);
+        assert_eq!(w.get(&w.path(&r), "id=778&code=tok").await.status(), 409, "wrong CaptchaAI id");
+        assert_eq!(w.post(&w.path(&r), "id=778&code=tok").await.status(), 409);
+        assert!(matches!(w.state(&r).await, TaskState::Pending { .. }), "still pending after all that");
+        assert_eq!(w.deps.store.get(&other).await?, None);
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn malformed_callbacks_get_a_clear_4xx() -> anyhow::Result<()> {
+        let w = world().await?;
+        let r = w.pending_task().await?;
+        let p = w.path(&r);
+        let cases: Vec<(Response<Body>, u16, &str)> = vec![
+            (w.get(&p, "code=tok").await, 400, "missing_id"),
+            (w.get(&p, "id=777").await, 400, "missing_code"),
+            (w.post(&p, "id=777").await, 400, "missing_code"),
+            (w.post(&p, "code=tok").await, 400, "missing_id"),
+            (w.get(&p, "id=7%207&code=tok").await, 400, "invalid_id"),
+            (w.get(&p, "id=777&code=CAPCHA_NOT_READY").await, 422, "not_a_result"),
+            (w.post(&p, &format!("id=777&code={}", "x".repeat(MAX_BODY))).await, 413, "body_too_large"),
+            (
+                respond(ApiGatewayEvent::new("POST", &p).header("content-type", "application/json").body("{\"id\":1}").build(), &w.deps).await,
+                415,
+                "unsupported_media_type",
+            ),
+            (respond(ApiGatewayEvent::new("PUT", &p).build(), &w.deps).await, 405, "method_not_allowed"),
+            (w.get("/elsewhere", "").await, 404, "no_route"),
+        ];
+        for (resp, status, code) in cases {
+            assert_eq!(resp.status().as_u16(), status, "{code}: {}", text(&resp));
+            assert!(text(&resp).contains(code), "{code}: {}", text(&resp));
+        }
+        assert!(matches!(w.state(&r).await, TaskState::Pending { .. }));
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn fifty_concurrent_pingbacks_all_get_200_and_one_write_wins() -> anyhow::Result<()> {
+        let w = Arc::new(world().await?);
+        for tokens in [["same", "same"], ["one", "two"]] {
+            let r = w.pending_task().await?;
+            let mut handles = Vec::new();
+            for i in 0..50 {
+                let (w, path, tok) = (w.clone(), w.path(&r), tokens[i % 2]);
+                handles.push(tokio::spawn(async move {
+                    let resp = if i % 3 == 0 {
+                        w.post(&path, &format!("id=777&code={tok}")).await
+                    } else {
+                        w.get(&path, &format!("id=777&code={tok}")).await
+                    };
+                    (resp.status().as_u16(), text(&resp))
+                }));
+            }
+            let mut recorded = 0;
+            for h in handles {
+                let (status, body) = h.await?;
+                assert_eq!(status, 200, "{body}");
+                recorded += usize::from(body.contains("recorded"));
+            }
+            assert_eq!(recorded, 1, "{tokens:?}: exactly one write");
+            assert!(matches!(w.state(&r).await, TaskState::Solved { .. }));
+        }
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_store_failure_is_a_5xx_not_a_lost_200() -> anyhow::Result<()> {
+        let w = world().await?;
+        let r = w.pending_task().await?;
+        // Nothing listens on port 9 of loopback: every store call fails at the transport.
+        let broken = Deps {
+            store: TaskStore::new(relay_shared::testkit::client_for("http://127.0.0.1:9"), "tasks", std::time::Duration::from_secs(60)),
+            ..w.deps.clone()
+        };
+        let resp = respond(ApiGatewayEvent::new("GET", &w.path(&r)).query("id=777&code=tok").build(), &broken).await;
+        assert_eq!(resp.status(), 503);
+        Ok(())
+    }
+}
