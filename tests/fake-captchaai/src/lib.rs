@@ -49,6 +49,8 @@ pub struct FakeConfig {
     pub batch_supported: bool,
     /// Seed for the drop/duplicate choices, so runs repeat.
     pub seed: u64,
+    /// Delay before in.php answers (to provoke client timeouts).
+    pub in_php_delay_ms: u64,
 }
 
 impl Default for FakeConfig {
@@ -64,6 +66,7 @@ impl Default for FakeConfig {
             result_code: None,
             batch_supported: true,
             seed: 7,
+            in_php_delay_ms: 0,
         }
     }
 }
@@ -279,9 +282,16 @@ async fn in_php(
 ) -> Response {
     let p = params(&method, &headers, query, body).await;
     let json = p.get("json").is_some_and(|v| v == "1");
-    let (id, delay, recaptcha) = {
+    let slow = {
         let mut g = shared.lock();
         g.counts.in_php += 1;
+        g.config.in_php_delay_ms
+    };
+    if slow > 0 {
+        tokio::time::sleep(Duration::from_millis(slow)).await;
+    }
+    let (id, delay, recaptcha) = {
+        let mut g = shared.lock();
         if let Some(e) = key_error(p.get("key"), &g.config.api_key) {
             return answer(json, false, e.into());
         }
