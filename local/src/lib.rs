@@ -1,1 +1,63 @@
+//! The relay on one machine: a thin HTTP server that turns each request into the very
+//! `lambda_http::Request` API Gateway would deliver and hands it to the same handler functions
+//! the Lambdas run. Routes are API Gateway's: `/tasks`, `/tasks/{ref}`, `/callback/{ref}/{sig}`.
 
+use std::sync::Arc;
+
+use axum::Router;
+use axum::body::Body as AxumBody;
+use axum::extract::State;
+use axum::response::Response as AxumResponse;
+use lambda_http::Body;
+
+/// Largest request body the local server reads (API Gateway's own limit is 10 MB; the handlers
+/// enforce their smaller limits themselves).
+const MAX_REQUEST: usize = 1024 * 1024;
+
+/// The handlers' dependencies.
+#[derive(Debug, Clone)]
+pub struct Relay {
+    pub api: relay_api::Deps,
+    pub callback: relay_callback::Deps,
+}
+
+/// The routes, as API Gateway serves them.
+pub fn router(relay: Arc<Relay>) -> Router {
+    Router::new().route("/health", axum::routing::get(|| async { "ok" })).fallback(dispatch).with_state(relay)
+}
+
+async fn dispatch(State(relay): State<Arc<Relay>>, req: http::Request<AxumBody>) -> AxumResponse {
+    let (parts, body) = req.into_parts();
+    let bytes = match axum::body::to_bytes(body, MAX_REQUEST).await {
+        Ok(b) => b,
+        Err(_) => return into_axum(relay_shared::http::problem(413, "body_too_large", "request body too large")),
+    };
+    let body = if bytes.is_empty() { Body::Empty } else { Body::Binary(bytes.to_vec()) };
+    let lambda_req = lambda_http::Request::from_parts(parts, body);
+    let first = lambda_req.uri().path().split('/').find(|s| !s.is_empty()).unwrap_or("");
+    let resp = match first {
+        "callback" => relay_callback::respond(lambda_req, &relay.callback).await,
+        _ => relay_api::respond(lambda_req, &relay.api).await,
+    };
+    into_axum(resp)
+}
+
+fn into_axum(resp: http::Response<Body>) -> AxumResponse {
+    let (parts, body) = resp.into_parts();
+    let bytes: Vec<u8> = match body {
+        Body::Empty => Vec::new(),
+        Body::Text(t) => t.into_bytes(),
+        Body::Binary(b) => b,
+        _ => Vec::new(),
+    };
+    AxumResponse::from_parts(parts, AxumBody::from(bytes))
+}
+
+/// Serves the relay on `listener` until `shutdown` resolves.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    relay: Arc<Relay>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(relay)).with_graceful_shutdown(shutdown).await
+}
