@@ -35,11 +35,16 @@ async fn start(cfg: FakeConfig) -> anyhow::Result<Running> {
     let relay = Arc::new(Relay {
         api: relay_api::Deps {
             store: store.clone(),
-            captchaai: CaptchaAiClient::new(&fake.base_url(), SecretString::from(fake.api_key()), Duration::from_secs(5), None)?,
+            captchaai: CaptchaAiClient::new(
+                &fake.base_url(),
+                SecretString::from(fake.api_key()),
+                Duration::from_secs(5),
+                None,
+            )?,
             signer: signer.clone(),
             auth: Authorizer::api_key(&SecretString::from(KEY.to_owned())),
             clock: clock.clone(),
-            callback_base_url: base.clone(),
+            callback_base_url: Some(base.clone()),
             callback_grace: Duration::from_secs(120),
             submit_attempts: 3,
             submit_backoff: Duration::from_millis(10),
@@ -94,7 +99,10 @@ async fn submit_then_pingback_then_read_the_solution_get_and_post() -> anyhow::R
             r#"{"kind":"image","body":"iVBORw0KGgo="}"#,
         ] {
             let accepted = r.submit(body).await?;
-            refs.push((accepted["task_ref"].as_str().unwrap_or_default().to_owned(), accepted["captcha_id"].as_str().unwrap_or_default().to_owned()));
+            refs.push((
+                accepted["task_ref"].as_str().unwrap_or_default().to_owned(),
+                accepted["captcha_id"].as_str().unwrap_or_default().to_owned(),
+            ));
         }
         for (task_ref, captcha_id) in refs {
             let done = r.wait_final(&task_ref).await?;

@@ -166,7 +166,12 @@ impl SubmitRequest {
             }
         };
         let browser = |f: &mut Vec<(&'static str, String)>, b: &Browser| {
-            for (k, v) in [("userAgent", &b.user_agent), ("cookies", &b.cookies), ("proxy", &b.proxy), ("proxytype", &b.proxytype)] {
+            for (k, v) in [
+                ("userAgent", &b.user_agent),
+                ("cookies", &b.cookies),
+                ("proxy", &b.proxy),
+                ("proxytype", &b.proxytype),
+            ] {
                 if let Some(v) = v {
                     f.push((k, v.clone()));
                 }
@@ -174,7 +179,11 @@ impl SubmitRequest {
         };
         match self {
             Self::RecaptchaV2 { sitekey, pageurl, invisible, data_s, browser: b } => {
-                f.extend([("method", "userrecaptcha".into()), ("googlekey", sitekey.clone()), ("pageurl", pageurl.clone())]);
+                f.extend([
+                    ("method", "userrecaptcha".into()),
+                    ("googlekey", sitekey.clone()),
+                    ("pageurl", pageurl.clone()),
+                ]);
                 if *invisible {
                     f.push(("invisible", "1".into()));
                 }
@@ -326,7 +335,7 @@ pub fn parse_answer(http_status: u16, body: &str) -> Result<RawAnswer, CaptchaAi
     let looks_like_code = !text.is_empty()
         && text.len() <= 64
         && text.bytes().all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || matches!(b, b'_' | b':' | b' '));
-    if looks_like_code && classify(text) != CodeClass::Unknown || text.starts_with("ERROR") && looks_like_code {
+    if looks_like_code && (classify(text) != CodeClass::Unknown || text.starts_with("ERROR")) {
         return Ok(RawAnswer::Code(text.to_owned()));
     }
     let kind = if text.starts_with('<') { "an HTML page" } else { "unrecognised text" };
@@ -348,9 +357,7 @@ fn code(s: &str) -> Result<ErrorCode, CaptchaAiError> {
 
 fn res_answer(raw: RawAnswer) -> Result<ResAnswer, CaptchaAiError> {
     match raw {
-        RawAnswer::Ok(s) => {
-            Solution::parse(&s).map(ResAnswer::Ready).map_err(|e| CaptchaAiError::NotAnAnswer(e.0))
-        }
+        RawAnswer::Ok(s) => Solution::parse(&s).map(ResAnswer::Ready).map_err(|e| CaptchaAiError::NotAnAnswer(e.0)),
         RawAnswer::Code(c) if classify(&c) == CodeClass::NotReady => Ok(ResAnswer::NotReady),
         RawAnswer::Code(c) => Ok(ResAnswer::Code(code(&c)?)),
     }
@@ -372,7 +379,12 @@ impl std::fmt::Debug for CaptchaAiClient {
 }
 
 impl CaptchaAiClient {
-    pub fn new(base_url: &str, key: SecretString, timeout: Duration, soft_id: Option<u32>) -> Result<Self, CaptchaAiError> {
+    pub fn new(
+        base_url: &str,
+        key: SecretString,
+        timeout: Duration,
+        soft_id: Option<u32>,
+    ) -> Result<Self, CaptchaAiError> {
         let http = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(3).min(timeout))
             .timeout(timeout)
@@ -460,7 +472,9 @@ mod tests {
         let ready = res_answer(parse_answer(200, r#"{"status":1,"request":"03AGdBq2"}"#).expect("ok")).expect("ready");
         assert!(matches!(ready, ResAnswer::Ready(s) if s.expose() == "03AGdBq2"));
         assert_eq!(res_answer(RawAnswer::Code("CAPCHA_NOT_READY".into())), Ok(ResAnswer::NotReady));
-        assert!(matches!(res_answer(RawAnswer::Code("ERROR_CAPTCHA_UNSOLVABLE".into())), Ok(ResAnswer::Code(c)) if c.class() == CodeClass::TerminalForTask));
+        assert!(
+            matches!(res_answer(RawAnswer::Code("ERROR_CAPTCHA_UNSOLVABLE".into())), Ok(ResAnswer::Code(c)) if c.class() == CodeClass::TerminalForTask)
+        );
         // A plain-mode solution containing `|` keeps everything after the first one.
         assert_eq!(parse_answer(200, "OK|a|b"), Ok(RawAnswer::Ok("a|b".into())));
     }
@@ -474,16 +488,25 @@ mod tests {
         assert_eq!(r.kind(), CaptchaKind::RecaptchaV3);
         r.validate().expect("valid");
         let f = r.form_fields();
-        for want in [("method", "userrecaptcha"), ("version", "v3"), ("googlekey", "6Le"), ("action", "login"), ("min_score", "0.3")] {
+        for want in [
+            ("method", "userrecaptcha"),
+            ("version", "v3"),
+            ("googlekey", "6Le"),
+            ("action", "login"),
+            ("min_score", "0.3"),
+        ] {
             assert!(f.iter().any(|(k, v)| *k == want.0 && v == want.1), "missing {want:?} in {f:?}");
         }
         let e: SubmitRequest =
-            serde_json::from_str(r#"{"kind":"recaptcha_enterprise","sitekey":"k","pageurl":"https://a.example"}"#).expect("parses");
+            serde_json::from_str(r#"{"kind":"recaptcha_enterprise","sitekey":"k","pageurl":"https://a.example"}"#)
+                .expect("parses");
         assert!(e.form_fields().contains(&("enterprise", "1".into())));
         let t: SubmitRequest =
-            serde_json::from_str(r#"{"kind":"turnstile","sitekey":"0x4","pageurl":"https://a.example","data":"d"}"#).expect("parses");
+            serde_json::from_str(r#"{"kind":"turnstile","sitekey":"0x4","pageurl":"https://a.example","data":"d"}"#)
+                .expect("parses");
         assert!(t.form_fields().contains(&("method", "turnstile".into())));
-        let h: SubmitRequest = serde_json::from_str(r#"{"kind":"hcaptcha","sitekey":"s","pageurl":"https://a.example"}"#).expect("parses");
+        let h: SubmitRequest =
+            serde_json::from_str(r#"{"kind":"hcaptcha","sitekey":"s","pageurl":"https://a.example"}"#).expect("parses");
         assert!(h.form_fields().contains(&("method", "hcaptcha".into())));
         let i: SubmitRequest = serde_json::from_str(r#"{"kind":"image","body":"iVBORw0KGgo="}"#).expect("parses");
         i.validate().expect("valid");

@@ -15,7 +15,9 @@ pub enum ConfigError {
     Missing(String),
     #[error("setting {name} is invalid: {reason}")]
     Invalid { name: String, reason: String },
-    #[error("missing secret: set {0} (plain value, local use) or {0}_PARAM (an SSM parameter name; `/aws/reference/secretsmanager/<id>` reads Secrets Manager)")]
+    #[error(
+        "missing secret: set {0} (plain value, local use) or {0}_PARAM (an SSM parameter name; `/aws/reference/secretsmanager/<id>` reads Secrets Manager)"
+    )]
     MissingSecret(String),
 }
 
@@ -55,10 +57,10 @@ impl Settings {
     {
         match self.get(name) {
             None => Ok(default),
-            Some(v) => v.trim().parse().map_err(|e: T::Err| ConfigError::Invalid {
-                name: name.to_owned(),
-                reason: format!("`{v}`: {e}"),
-            }),
+            Some(v) => v
+                .trim()
+                .parse()
+                .map_err(|e: T::Err| ConfigError::Invalid { name: name.to_owned(), reason: format!("`{v}`: {e}") }),
         }
     }
 
@@ -165,8 +167,9 @@ pub struct ApiConfig {
     pub captchaai: CaptchaAiConfig,
     pub auth: AuthMode,
     pub signing_secret: SecretSource,
-    /// Public base URL under which `/callback/{ref}/{sig}` is reachable.
-    pub callback_base_url: String,
+    /// Public base URL under which `/callback/{ref}/{sig}` is reachable. Unset: the API's
+    /// own URL, taken from each request (the callback route is on the same API).
+    pub callback_base_url: Option<String>,
     /// How long a callback gets before the poller asks res.php.
     pub callback_grace: Duration,
     /// Tries of in.php on transient errors before answering 503.
@@ -184,7 +187,7 @@ impl ApiConfig {
             captchaai: CaptchaAiConfig::from_settings(s)?,
             auth: AuthMode::from_settings(s)?,
             signing_secret: s.secret("CALLBACK_SIGNING_SECRET")?,
-            callback_base_url: s.url("CALLBACK_BASE_URL")?,
+            callback_base_url: s.optional("CALLBACK_BASE_URL").map(|_| s.url("CALLBACK_BASE_URL")).transpose()?,
             callback_grace: Duration::from_secs(s.parse_or("CALLBACK_GRACE_SECS", 120)?),
             submit_attempts,
         })
@@ -223,7 +226,7 @@ mod tests {
         let c = ApiConfig::from_settings(&full()).expect("valid");
         assert_eq!(c.store.retention, Duration::from_secs(7 * 86_400));
         assert_eq!(c.captchaai.base_url, "https://ocr.captchaai.com");
-        assert_eq!(c.callback_base_url, "https://cb.example");
+        assert_eq!(c.callback_base_url.as_deref(), Some("https://cb.example"));
         assert_eq!(c.callback_grace, Duration::from_secs(120));
         assert!(matches!(c.auth, AuthMode::ApiKey(SecretSource::Inline(_))));
     }
@@ -245,7 +248,8 @@ mod tests {
 
     #[test]
     fn secret_by_reference_and_iam_mode() {
-        let s = full().with("AUTH_MODE", "iam").with("CAPTCHAAI_API_KEY", "").with("CAPTCHAAI_API_KEY_PARAM", "/relay/key");
+        let s =
+            full().with("AUTH_MODE", "iam").with("CAPTCHAAI_API_KEY", "").with("CAPTCHAAI_API_KEY_PARAM", "/relay/key");
         let c = ApiConfig::from_settings(&s).expect("valid");
         assert!(matches!(c.auth, AuthMode::Iam));
         assert!(matches!(&c.captchaai.api_key, SecretSource::SsmParameter(p) if p == "/relay/key"));
@@ -253,7 +257,13 @@ mod tests {
 
     #[test]
     fn malformed_values_are_named_with_the_reason() {
-        for (name, value) in [("RETENTION_DAYS", "soon"), ("RETENTION_DAYS", "0"), ("AUTH_MODE", "open"), ("CALLBACK_BASE_URL", "ftp://x"), ("SUBMIT_ATTEMPTS", "0")] {
+        for (name, value) in [
+            ("RETENTION_DAYS", "soon"),
+            ("RETENTION_DAYS", "0"),
+            ("AUTH_MODE", "open"),
+            ("CALLBACK_BASE_URL", "ftp://x"),
+            ("SUBMIT_ATTEMPTS", "0"),
+        ] {
             let err = ApiConfig::from_settings(&full().with(name, value)).expect_err(name);
             assert!(matches!(&err, ConfigError::Invalid { name: n, .. } if n == name), "{name}: {err}");
         }

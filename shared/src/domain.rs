@@ -30,13 +30,10 @@ impl TaskRef {
     }
 
     pub fn parse(s: &str) -> Result<Self, ParseError> {
-        let hex = s
-            .strip_prefix(Self::PREFIX)
-            .ok_or_else(|| ParseError("task reference must start with `tsk_`".into()))?;
+        let hex =
+            s.strip_prefix(Self::PREFIX).ok_or_else(|| ParseError("task reference must start with `tsk_`".into()))?;
         if hex.len() != 32 || !hex.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
-            return Err(ParseError(
-                "task reference must be `tsk_` followed by 32 lowercase hex digits".into(),
-            ));
+            return Err(ParseError("task reference must be `tsk_` followed by 32 lowercase hex digits".into()));
         }
         Ok(Self(s.to_owned()))
     }
@@ -171,14 +168,8 @@ pub enum CaptchaKind {
 }
 
 impl CaptchaKind {
-    pub const ALL: [CaptchaKind; 6] = [
-        Self::RecaptchaV2,
-        Self::RecaptchaV3,
-        Self::RecaptchaEnterprise,
-        Self::Hcaptcha,
-        Self::Turnstile,
-        Self::Image,
-    ];
+    pub const ALL: [CaptchaKind; 6] =
+        [Self::RecaptchaV2, Self::RecaptchaV3, Self::RecaptchaEnterprise, Self::Hcaptcha, Self::Turnstile, Self::Image];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -192,10 +183,7 @@ impl CaptchaKind {
     }
 
     pub fn parse(s: &str) -> Result<Self, ParseError> {
-        Self::ALL
-            .into_iter()
-            .find(|k| k.as_str() == s)
-            .ok_or_else(|| ParseError(format!("unknown captcha kind `{s}`")))
+        Self::ALL.into_iter().find(|k| k.as_str() == s).ok_or_else(|| ParseError(format!("unknown captcha kind `{s}`")))
     }
 
     /// How long a solution stays usable after it was issued. `None`: it does not expire
@@ -286,7 +274,9 @@ pub enum TaskState {
     /// Recorded, in.php not (yet) confirmed.
     Submitting,
     /// In.php accepted it; waiting for the callback or the poller.
-    Pending { submitted_at: Timestamp },
+    Pending {
+        submitted_at: Timestamp,
+    },
     Solved {
         solution: Solution,
         resolved_at: Timestamp,
@@ -300,7 +290,10 @@ pub enum TaskState {
         via: Via,
     },
     /// No result came in time.
-    Expired { reason: String, resolved_at: Timestamp },
+    Expired {
+        reason: String,
+        resolved_at: Timestamp,
+    },
 }
 
 impl TaskState {
@@ -358,22 +351,24 @@ impl Task {
     /// In.php accepted the task under `id`.
     pub fn submitted(self, id: CaptchaId, now: Timestamp) -> Result<Self, TransitionError> {
         match self.state {
-            TaskState::Submitting => Ok(Self {
-                captcha_id: Some(id),
-                state: TaskState::Pending { submitted_at: now },
-                ..self
-            }),
+            TaskState::Submitting => {
+                Ok(Self { captcha_id: Some(id), state: TaskState::Pending { submitted_at: now }, ..self })
+            }
             ref other => Err(TransitionError::NotAllowed { from: other.name(), action: "mark submitted" }),
         }
     }
 
     /// In.php refused the task for good (or transient errors outlasted the retries).
-    pub fn submit_failed(self, code: ErrorCode, detail: Option<String>, now: Timestamp) -> Result<Self, TransitionError> {
+    pub fn submit_failed(
+        self,
+        code: ErrorCode,
+        detail: Option<String>,
+        now: Timestamp,
+    ) -> Result<Self, TransitionError> {
         match self.state {
-            TaskState::Submitting => Ok(Self {
-                state: TaskState::Failed { code, detail, resolved_at: now, via: Via::Submit },
-                ..self
-            }),
+            TaskState::Submitting => {
+                Ok(Self { state: TaskState::Failed { code, detail, resolved_at: now, via: Via::Submit }, ..self })
+            }
             ref other => Err(TransitionError::NotAllowed { from: other.name(), action: "fail the submit" }),
         }
     }
@@ -461,7 +456,8 @@ impl Task {
                 if expires_at.is_some_and(|e| now >= e) {
                     v.status = "expired";
                     v.error_code = Some("TOKEN_LIFETIME_ELAPSED".into());
-                    v.error_detail = Some("the solution is older than its token lifetime and was not handed out".into());
+                    v.error_detail =
+                        Some("the solution is older than its token lifetime and was not handed out".into());
                 } else {
                     v.solution = Some(solution.expose().to_owned());
                 }
@@ -538,7 +534,9 @@ mod tests {
     fn task_ref_round_trips_and_rejects_garbage() {
         let r = TaskRef::generate();
         assert_eq!(TaskRef::parse(r.as_ref()).expect("own format parses"), r);
-        for bad in ["", "tsk_", "tsk_XYZ", "abc_0123456789abcdef0123456789abcdef", "tsk_0123456789ABCDEF0123456789abcdef"] {
+        for bad in
+            ["", "tsk_", "tsk_XYZ", "abc_0123456789abcdef0123456789abcdef", "tsk_0123456789ABCDEF0123456789abcdef"]
+        {
             assert!(TaskRef::parse(bad).is_err(), "{bad} should be rejected");
         }
         assert!(r.shard(8) < 8);
@@ -587,12 +585,17 @@ mod tests {
             .submit_failed(ErrorCode::parse("ERROR_ZERO_CAPTCHA_FILESIZE").expect("code"), None, t(5))
             .expect("submitting -> failed");
         assert!(matches!(failed.state, TaskState::Failed { via: Via::Submit, .. }));
-        assert!(pending_task(CaptchaKind::Image).submit_failed(ErrorCode::parse("ERROR_X").expect("code"), None, t(5)).is_err());
+        assert!(
+            pending_task(CaptchaKind::Image)
+                .submit_failed(ErrorCode::parse("ERROR_X").expect("code"), None, t(5))
+                .is_err()
+        );
     }
 
     #[test]
     fn first_result_is_recorded_then_duplicates_and_conflicts_change_nothing() {
-        let Applied::Recorded(task) = pending_task(CaptchaKind::Turnstile).apply(solved("tok", Via::Callback, 500)).expect("ok")
+        let Applied::Recorded(task) =
+            pending_task(CaptchaKind::Turnstile).apply(solved("tok", Via::Callback, 500)).expect("ok")
         else {
             panic!("first result must be recorded");
         };
@@ -630,7 +633,8 @@ mod tests {
 
     #[test]
     fn expiry_applies_to_open_tasks_only_and_blocks_late_results() {
-        let expired = pending_task(CaptchaKind::Image).expire("no answer in 10 min".into(), t(600_000)).expect("expire");
+        let expired =
+            pending_task(CaptchaKind::Image).expire("no answer in 10 min".into(), t(600_000)).expect("expire");
         assert_eq!(expired.state.name(), "expired");
         assert_eq!(expired.clone().apply(solved("late", Via::Poll, 700_000)), Ok(Applied::Conflict));
         assert!(expired.expire("again".into(), t(1)).is_err());
@@ -638,7 +642,9 @@ mod tests {
 
     #[test]
     fn stale_solution_is_reported_expired_and_not_handed_out() {
-        let Ok(Applied::Recorded(task)) = pending_task(CaptchaKind::RecaptchaV2).apply(solved("tok", Via::Callback, 1_000)) else {
+        let Ok(Applied::Recorded(task)) =
+            pending_task(CaptchaKind::RecaptchaV2).apply(solved("tok", Via::Callback, 1_000))
+        else {
             panic!("recorded")
         };
         let fresh = task.view(t(1_000 + 119_999));
@@ -653,7 +659,8 @@ mod tests {
 
     #[test]
     fn image_answers_never_go_stale() {
-        let Ok(Applied::Recorded(task)) = pending_task(CaptchaKind::Image).apply(solved("w68hp", Via::Poll, 1_000)) else {
+        let Ok(Applied::Recorded(task)) = pending_task(CaptchaKind::Image).apply(solved("w68hp", Via::Poll, 1_000))
+        else {
             panic!("recorded")
         };
         let v = task.view(t(10_000_000_000));

@@ -42,16 +42,9 @@ impl<'a> SecretLoader<'a> {
             SecretSource::Inline(s) => Ok(s.clone()),
             SecretSource::SsmParameter(name) => {
                 let client = self.ssm.get_or_insert_with(|| aws_sdk_ssm::Client::new(self.aws));
-                let out = client
-                    .get_parameter()
-                    .name(name)
-                    .with_decryption(true)
-                    .send()
-                    .await
-                    .map_err(|e| SecretError {
-                        name: name.clone(),
-                        reason: aws_sdk_ssm::error::DisplayErrorContext(&e).to_string(),
-                    })?;
+                let out = client.get_parameter().name(name).with_decryption(true).send().await.map_err(|e| {
+                    SecretError { name: name.clone(), reason: aws_sdk_ssm::error::DisplayErrorContext(&e).to_string() }
+                })?;
                 out.parameter
                     .and_then(|p| p.value)
                     .map(SecretString::from)

@@ -18,7 +18,9 @@ use aws_sdk_dynamodb::error::{ProvideErrorMetadata, SdkError};
 use aws_sdk_dynamodb::types::{AttributeValue, ReturnValue, ReturnValuesOnConditionCheckFailure};
 
 use crate::codes::ErrorCode;
-use crate::domain::{Applied, CaptchaId, CaptchaKind, Delivery, Outcome, Task, TaskRef, TaskState, TransitionError, Via};
+use crate::domain::{
+    Applied, CaptchaId, CaptchaKind, Delivery, Outcome, Task, TaskRef, TaskState, TransitionError, Via,
+};
 use crate::time::Timestamp;
 
 /// Name of the sparse index of open tasks by the time they are due for a fallback poll.
@@ -73,8 +75,11 @@ where
     match &err {
         SdkError::ServiceError(se) => match se.err().code() {
             Some(
-                "ValidationException" | "ResourceNotFoundException" | "AccessDeniedException"
-                | "UnrecognizedClientException" | "SerializationException",
+                "ValidationException"
+                | "ResourceNotFoundException"
+                | "AccessDeniedException"
+                | "UnrecognizedClientException"
+                | "SerializationException",
             ) => StoreError::Rejected(text),
             _ => StoreError::Unavailable(text),
         },
@@ -155,7 +160,8 @@ impl TryFrom<&Item> for Task {
         let task_ref = TaskRef::parse(req_s(item, PK)?).map_err(corrupt(PK))?;
         let kind = CaptchaKind::parse(req_s(item, KIND)?).map_err(corrupt(KIND))?;
         let captcha_id = get_s(item, CAPTCHA_ID)?.map(CaptchaId::parse).transpose().map_err(corrupt(CAPTCHA_ID))?;
-        let via = || -> Result<Via, StoreError> { Via::parse(req_s(item, RESOLVED_VIA)?).map_err(corrupt(RESOLVED_VIA)) };
+        let via =
+            || -> Result<Via, StoreError> { Via::parse(req_s(item, RESOLVED_VIA)?).map_err(corrupt(RESOLVED_VIA)) };
         let state = match req_s(item, STATE)? {
             "submitting" => TaskState::Submitting,
             "pending" => TaskState::Pending { submitted_at: req_ts(item, SUBMITTED_AT)? },
@@ -361,9 +367,12 @@ impl TaskStore {
                         Err(TransitionError::IdMismatch { expected, .. }) => Ok(RecordOutcome::IdMismatch { expected }),
                         // The condition and the state machine disagree: the item is not what
                         // this code writes. Say so rather than guess.
-                        Ok(Applied::Recorded(_)) | Err(TransitionError::NotAllowed { .. }) => Err(StoreError::Corrupt(
-                            format!("task {task_ref} refused a result the state machine allows (state {})", old.state.name()),
-                        )),
+                        Ok(Applied::Recorded(_)) | Err(TransitionError::NotAllowed { .. }) => {
+                            Err(StoreError::Corrupt(format!(
+                                "task {task_ref} refused a result the state machine allows (state {})",
+                                old.state.name()
+                            )))
+                        }
                     }
                 }
                 None => Err(sdk_error(e)),
@@ -392,7 +401,9 @@ fn decode(item: Option<&Item>) -> Result<Task, StoreError> {
 
 /// For a refused conditional write: `Some(old item or None if there was none)`. `None` if the
 /// error is anything else.
-fn refused_item<R>(err: &SdkError<aws_sdk_dynamodb::operation::update_item::UpdateItemError, R>) -> Option<Option<&Item>> {
+fn refused_item<R>(
+    err: &SdkError<aws_sdk_dynamodb::operation::update_item::UpdateItemError, R>,
+) -> Option<Option<&Item>> {
     use aws_sdk_dynamodb::operation::update_item::UpdateItemError;
     match err {
         SdkError::ServiceError(se) => match se.err() {
@@ -406,14 +417,18 @@ fn refused_item<R>(err: &SdkError<aws_sdk_dynamodb::operation::update_item::Upda
 /// The table's shape, as `template.yaml` declares it, for tests and local mode.
 pub mod schema {
     use aws_sdk_dynamodb::types::{
-        AttributeDefinition, BillingMode, GlobalSecondaryIndex, KeySchemaElement, KeyType, Projection,
-        ProjectionType, ScalarAttributeType, TimeToLiveSpecification,
+        AttributeDefinition, BillingMode, GlobalSecondaryIndex, KeySchemaElement, KeyType, Projection, ProjectionType,
+        ScalarAttributeType, TimeToLiveSpecification,
     };
 
     use super::{Client, DUE_INDEX, StoreError, attr, sdk_error};
 
     fn key(name: &str, t: KeyType) -> Result<KeySchemaElement, StoreError> {
-        KeySchemaElement::builder().attribute_name(name).key_type(t).build().map_err(|e| StoreError::Rejected(e.to_string()))
+        KeySchemaElement::builder()
+            .attribute_name(name)
+            .key_type(t)
+            .build()
+            .map_err(|e| StoreError::Rejected(e.to_string()))
     }
 
     fn def(name: &str, t: ScalarAttributeType) -> Result<AttributeDefinition, StoreError> {
@@ -533,7 +548,8 @@ mod tests {
         store.create(&task, t(600_000)).await?;
         assert_eq!(store.get(&task.task_ref).await?, Some(task.clone()));
         assert!(store.create(&task, t(1)).await.is_err(), "a reference is never created twice");
-        let SubmitRecorded::Pending(p) = store.mark_submitted(&task.task_ref, &id("42"), t(2_000), t(122_000)).await? else {
+        let SubmitRecorded::Pending(p) = store.mark_submitted(&task.task_ref, &id("42"), t(2_000), t(122_000)).await?
+        else {
             panic!("pending expected")
         };
         assert_eq!(p.state, TaskState::Pending { submitted_at: t(2_000) });
@@ -552,15 +568,27 @@ mod tests {
         let task = pending(&store, CaptchaKind::RecaptchaV2).await;
         let r = &task.task_ref;
 
-        let RecordOutcome::Recorded(done) = store.record_result(r, &delivery("42", solved("tok-1"), 5_000)).await? else {
+        let RecordOutcome::Recorded(done) = store.record_result(r, &delivery("42", solved("tok-1"), 5_000)).await?
+        else {
             panic!("first result must be recorded")
         };
-        assert!(matches!(&done.state, TaskState::Solved { solution, via: Via::Callback, .. } if solution.expose() == "tok-1"));
+        assert!(
+            matches!(&done.state, TaskState::Solved { solution, via: Via::Callback, .. } if solution.expose() == "tok-1")
+        );
         let before = raw(&store, r).await;
-        assert!(!before.contains_key(attr::POLL_DUE_AT) && !before.contains_key(attr::POLL_SHARD), "resolved tasks leave the index");
+        assert!(
+            !before.contains_key(attr::POLL_DUE_AT) && !before.contains_key(attr::POLL_SHARD),
+            "resolved tasks leave the index"
+        );
 
-        assert!(matches!(store.record_result(r, &delivery("42", solved("tok-1"), 6_000)).await?, RecordOutcome::Duplicate(_)));
-        assert!(matches!(store.record_result(r, &delivery("42", solved("tok-2"), 6_000)).await?, RecordOutcome::Conflict(_)));
+        assert!(matches!(
+            store.record_result(r, &delivery("42", solved("tok-1"), 6_000)).await?,
+            RecordOutcome::Duplicate(_)
+        ));
+        assert!(matches!(
+            store.record_result(r, &delivery("42", solved("tok-2"), 6_000)).await?,
+            RecordOutcome::Conflict(_)
+        ));
         let failed = Outcome::Failed(ErrorCode::parse("ERROR_CAPTCHA_UNSOLVABLE")?);
         assert!(matches!(store.record_result(r, &delivery("42", failed, 6_000)).await?, RecordOutcome::Conflict(_)));
         assert_eq!(raw(&store, r).await, before, "nothing was written by the repeats");
@@ -588,10 +616,14 @@ mod tests {
         let store = db.fresh_store().await?;
         let task = Task::new(TaskRef::generate(), CaptchaKind::Hcaptcha, t(1_000));
         store.create(&task, t(600_000)).await?;
-        let RecordOutcome::Recorded(_) = store.record_result(&task.task_ref, &delivery("42", solved("early"), 1_500)).await? else {
+        let RecordOutcome::Recorded(_) =
+            store.record_result(&task.task_ref, &delivery("42", solved("early"), 1_500)).await?
+        else {
             panic!("recorded")
         };
-        let SubmitRecorded::AlreadyResolved(t2) = store.mark_submitted(&task.task_ref, &id("42"), t(2_000), t(9)).await? else {
+        let SubmitRecorded::AlreadyResolved(t2) =
+            store.mark_submitted(&task.task_ref, &id("42"), t(2_000), t(9)).await?
+        else {
             panic!("already resolved")
         };
         assert_eq!(t2.state.name(), "solved");
@@ -606,8 +638,11 @@ mod tests {
         let store = db.fresh_store().await?;
         let task = Task::new(TaskRef::generate(), CaptchaKind::Image, t(1_000));
         store.create(&task, t(600_000)).await?;
-        let failed = store.mark_submit_failed(&task.task_ref, "ERROR_ZERO_CAPTCHA_FILESIZE", "in.php refused", t(1_100)).await?;
-        assert!(matches!(&failed.state, TaskState::Failed { code, via: Via::Submit, .. } if code.as_ref() == "ERROR_ZERO_CAPTCHA_FILESIZE"));
+        let failed =
+            store.mark_submit_failed(&task.task_ref, "ERROR_ZERO_CAPTCHA_FILESIZE", "in.php refused", t(1_100)).await?;
+        assert!(
+            matches!(&failed.state, TaskState::Failed { code, via: Via::Submit, .. } if code.as_ref() == "ERROR_ZERO_CAPTCHA_FILESIZE")
+        );
         assert!(due_refs(&store, u64::MAX / 2).await.is_empty());
         Ok(())
     }

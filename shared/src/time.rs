@@ -102,10 +102,7 @@ mod tests {
 
     #[test]
     fn formats_rfc3339_in_utc_with_millis() {
-        assert_eq!(
-            Timestamp::from_millis(1_796_210_146_123).to_rfc3339(),
-            "2026-12-02T11:15:46.123Z"
-        );
+        assert_eq!(Timestamp::from_millis(1_796_210_146_123).to_rfc3339(), "2026-12-02T11:15:46.123Z");
     }
 
     #[test]

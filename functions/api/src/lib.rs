@@ -29,8 +29,9 @@ pub struct Deps {
     pub signer: CallbackSigner,
     pub auth: Authorizer,
     pub clock: Arc<dyn Clock>,
-    /// Public base URL of the callback route.
-    pub callback_base_url: String,
+    /// Public base URL of the callback route. `None`: the API's own URL, read from the
+    /// request (the callback route lives on the same HTTP API).
+    pub callback_base_url: Option<String>,
     /// How long a callback gets before the poller asks res.php.
     pub callback_grace: Duration,
     /// Tries of in.php on transient errors.
@@ -51,11 +52,18 @@ impl Deps {
         let signing = secrets.load(&cfg.signing_secret).await.context("loading the callback signing secret")?;
         let auth = match &cfg.auth {
             AuthMode::Iam => Authorizer::Iam,
-            AuthMode::ApiKey(src) => Authorizer::api_key(&secrets.load(src).await.context("loading the relay API key")?),
+            AuthMode::ApiKey(src) => {
+                Authorizer::api_key(&secrets.load(src).await.context("loading the relay API key")?)
+            }
         };
         Ok(Self {
             store: TaskStore::from_config(&aws, &cfg.store),
-            captchaai: CaptchaAiClient::new(&cfg.captchaai.base_url, key, cfg.captchaai.timeout, cfg.captchaai.soft_id)?,
+            captchaai: CaptchaAiClient::new(
+                &cfg.captchaai.base_url,
+                key,
+                cfg.captchaai.timeout,
+                cfg.captchaai.soft_id,
+            )?,
             signer: CallbackSigner::new(signing),
             auth,
             clock: Arc::new(relay_shared::time::SystemClock),
@@ -105,7 +113,8 @@ fn parse_submit(req: &Request) -> Result<SubmitRequest, Response<Body>> {
     if !ctype.to_ascii_lowercase().starts_with("application/json") {
         return Err(problem(415, "unsupported_media_type", "the body must be application/json"));
     }
-    let submit: SubmitRequest = serde_json::from_slice(body).map_err(|e| problem(400, "invalid_request", e.to_string()))?;
+    let submit: SubmitRequest =
+        serde_json::from_slice(body).map_err(|e| problem(400, "invalid_request", e.to_string()))?;
     submit.validate().map_err(|e| problem(400, "invalid_request", e.0))?;
     Ok(submit)
 }
@@ -129,7 +138,11 @@ async fn submit(req: &Request, deps: &Deps) -> Result<Response<Body>, Response<B
     let deadline = now.plus(deps.callback_grace + kind.max_solve_time());
     deps.store.create(&task, deadline).await.map_err(|e| store_unavailable(&e))?;
 
-    let pingback = deps.signer.callback_url(&deps.callback_base_url, &task_ref);
+    let Some(base) = callback_base(req, deps) else {
+        tracing::error!(event = "config_error", "no CALLBACK_BASE_URL and no API domain in the request");
+        return Err(problem(500, "misconfigured", "the relay does not know its callback URL"));
+    };
+    let pingback = deps.signer.callback_url(&base, &task_ref);
     let mut attempt = 1;
     let err = loop {
         match deps.captchaai.submit(&submit, &pingback).await {
@@ -159,7 +172,10 @@ async fn submit(req: &Request, deps: &Deps) -> Result<Response<Body>, Response<B
                     "5",
                 ));
             }
-            Err(e) if matches!(e.class(), CodeClass::Transient | CodeClass::Unknown | CodeClass::NotReady) && attempt < deps.submit_attempts => {
+            Err(e)
+                if matches!(e.class(), CodeClass::Transient | CodeClass::Unknown | CodeClass::NotReady)
+                    && attempt < deps.submit_attempts =>
+            {
                 let delay = backoff_delay(attempt, deps.submit_backoff, Duration::from_secs(4));
                 tracing::warn!(event = "submit_retry", error = %e, attempt, delay_ms = delay.as_millis() as u64, "in.php answered a transient error");
                 tokio::time::sleep(delay).await;
@@ -181,6 +197,25 @@ async fn submit(req: &Request, deps: &Deps) -> Result<Response<Body>, Response<B
     let body = serde_json::json!({ "error": { "code": code, "message": detail, "class": err.class().as_str() }, "task_ref": task_ref });
     let resp = json(status, &body);
     Err(if status == 503 { with_header(resp, "retry-after", &retry_after_for(&err).to_string()) } else { resp })
+}
+
+/// The configured callback base, or this API's own URL as API Gateway reports it.
+fn callback_base(req: &Request, deps: &Deps) -> Option<String> {
+    use lambda_http::RequestExt;
+    use lambda_http::request::RequestContext;
+    if let Some(b) = &deps.callback_base_url {
+        return Some(b.clone());
+    }
+    match req.request_context_ref() {
+        Some(RequestContext::ApiGatewayV2(ctx)) => {
+            let domain = ctx.domain_name.as_deref()?;
+            match ctx.stage.as_deref() {
+                None | Some("$default") => Some(format!("https://{domain}")),
+                Some(stage) => Some(format!("https://{domain}/{stage}")),
+            }
+        }
+        _ => None,
+    }
 }
 
 fn retry_after_for(err: &CaptchaAiError) -> u64 {
@@ -224,11 +259,16 @@ mod tests {
         let clock = ManualClock::at(Timestamp::from_millis(1_796_210_146_000));
         let deps = Deps {
             store: db.fresh_store().await?,
-            captchaai: CaptchaAiClient::new(&fake.base_url(), SecretString::from(fake.api_key()), Duration::from_millis(500), None)?,
+            captchaai: CaptchaAiClient::new(
+                &fake.base_url(),
+                SecretString::from(fake.api_key()),
+                Duration::from_millis(500),
+                None,
+            )?,
             signer: CallbackSigner::new(SecretString::from("sign".to_owned())),
             auth: Authorizer::api_key(&SecretString::from(KEY.to_owned())),
             clock: Arc::new(clock.clone()),
-            callback_base_url: "http://127.0.0.1:9".into(),
+            callback_base_url: Some("http://127.0.0.1:9".into()),
             callback_grace: Duration::from_secs(120),
             submit_attempts: 3,
             submit_backoff: Duration::from_millis(5),
@@ -274,7 +314,12 @@ mod tests {
         assert_eq!(sent.method, "turnstile");
         assert_eq!(sent.pingback, Some(w.deps.signer.callback_url("http://127.0.0.1:9", &task_ref)));
 
-        let got = w.call(ApiGatewayEvent::new("GET", &format!("/tasks/{task_ref}")).header("authorization", &format!("Bearer {KEY}"))).await;
+        let got = w
+            .call(
+                ApiGatewayEvent::new("GET", &format!("/tasks/{task_ref}"))
+                    .header("authorization", &format!("Bearer {KEY}")),
+            )
+            .await;
         assert_eq!(got.status(), 200);
         assert_eq!(body(&got)["status"], "pending");
         assert!(body(&got).get("solution").is_none());
@@ -282,15 +327,38 @@ mod tests {
     }
 
     #[tokio::test(flavor = "multi_thread")]
+    async fn without_a_configured_base_the_pingback_uses_the_apis_own_domain() -> anyhow::Result<()> {
+        let w = world(FakeConfig::default()).await?;
+        let deps = Deps { callback_base_url: None, ..w.deps.clone() };
+        let resp = respond(post(TURNSTILE).build(), &deps).await;
+        assert_eq!(resp.status(), 202);
+        let b = body(&resp);
+        let task_ref = TaskRef::parse(b["task_ref"].as_str().unwrap_or_default())?;
+        let sent = w.fake.task(b["captcha_id"].as_str().unwrap_or_default()).expect("sent");
+        let want = deps.signer.callback_url("https://abc123.execute-api.eu-west-1.amazonaws.com", &task_ref);
+        assert_eq!(sent.pingback, Some(want));
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
     async fn every_kind_is_submitted_with_its_method() -> anyhow::Result<()> {
         let w = world(FakeConfig::default()).await?;
         let cases = [
-            (r#"{"kind":"recaptcha_v2","sitekey":"6Le","pageurl":"https://a.example","invisible":true}"#, "userrecaptcha"),
-            (r#"{"kind":"recaptcha_v3","sitekey":"6Le","pageurl":"https://a.example","action":"login","min_score":0.7}"#, "userrecaptcha"),
+            (
+                r#"{"kind":"recaptcha_v2","sitekey":"6Le","pageurl":"https://a.example","invisible":true}"#,
+                "userrecaptcha",
+            ),
+            (
+                r#"{"kind":"recaptcha_v3","sitekey":"6Le","pageurl":"https://a.example","action":"login","min_score":0.7}"#,
+                "userrecaptcha",
+            ),
             (r#"{"kind":"recaptcha_enterprise","sitekey":"6Le","pageurl":"https://a.example"}"#, "userrecaptcha"),
             (r#"{"kind":"hcaptcha","sitekey":"s","pageurl":"https://a.example"}"#, "hcaptcha"),
             (TURNSTILE, "turnstile"),
-            (r#"{"kind":"image","body":"iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAAAABJRU5ErkJggg=="}"#, "base64"),
+            (
+                r#"{"kind":"image","body":"iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAAAABJRU5ErkJggg=="}"#,
+                "base64",
+            ),
         ];
         for (json, method) in cases {
             let resp = w.call(post(json)).await;
@@ -316,9 +384,13 @@ mod tests {
         assert_eq!(w.fake.counts().in_php, 0, "nothing reached CaptchaAI");
 
         let iam = Deps { auth: Authorizer::Iam, ..w.deps.clone() };
-        let unsigned = ApiGatewayEvent::new("POST", "/tasks").header("content-type", "application/json").body(TURNSTILE);
+        let unsigned =
+            ApiGatewayEvent::new("POST", "/tasks").header("content-type", "application/json").body(TURNSTILE);
         assert_eq!(respond(unsigned.build(), &iam).await.status(), 403);
-        let signed = ApiGatewayEvent::new("POST", "/tasks").header("content-type", "application/json").body(TURNSTILE).iam_caller();
+        let signed = ApiGatewayEvent::new("POST", "/tasks")
+            .header("content-type", "application/json")
+            .body(TURNSTILE)
+            .iam_caller();
         assert_eq!(respond(signed.build(), &iam).await.status(), 202);
         Ok(())
     }
@@ -336,7 +408,8 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread")]
     async fn transient_errors_are_retried_then_answered_503_with_retry_after() -> anyhow::Result<()> {
-        let w = world(FakeConfig { submit_errors: vec!["ERROR_NO_SLOT_AVAILABLE".into()], ..FakeConfig::default() }).await?;
+        let w = world(FakeConfig { submit_errors: vec!["ERROR_NO_SLOT_AVAILABLE".into()], ..FakeConfig::default() })
+            .await?;
         let resp = w.call(post(TURNSTILE)).await;
         assert_eq!(resp.status(), 202, "one transient error, then success");
         assert_eq!(w.fake.counts().in_php, 2);
@@ -371,10 +444,21 @@ mod tests {
             (post(r#"{"kind":"funcaptcha","sitekey":"s"}"#), 400, "invalid_request"),
             (post(r#"{"kind":"hcaptcha","sitekey":"s","pageurl":"ftp://x"}"#), 400, "pageurl"),
             (post(&format!(r#"{{"kind":"image","body":"{}"}}"#, "A".repeat(MAX_BODY))), 413, "body_too_large"),
-            (ApiGatewayEvent::new("POST", "/tasks").header("authorization", &auth).header("content-type", "text/plain").body(TURNSTILE), 415, "unsupported"),
+            (
+                ApiGatewayEvent::new("POST", "/tasks")
+                    .header("authorization", &auth)
+                    .header("content-type", "text/plain")
+                    .body(TURNSTILE),
+                415,
+                "unsupported",
+            ),
             (ApiGatewayEvent::new("DELETE", "/tasks").header("authorization", &auth), 405, "method_not_allowed"),
             (ApiGatewayEvent::new("GET", "/tasks/tsk_nope").header("authorization", &auth), 404, "unknown_task"),
-            (ApiGatewayEvent::new("GET", &format!("/tasks/{}", TaskRef::generate())).header("authorization", &auth), 404, "unknown_task"),
+            (
+                ApiGatewayEvent::new("GET", &format!("/tasks/{}", TaskRef::generate())).header("authorization", &auth),
+                404,
+                "unknown_task",
+            ),
             (ApiGatewayEvent::new("GET", "/nowhere"), 404, "no_route"),
         ];
         for (ev, status, needle) in cases {
@@ -402,7 +486,9 @@ mod tests {
             token_clock_start: now,
         };
         w.deps.store.record_result(&task_ref, &d).await?;
-        let get = || ApiGatewayEvent::new("GET", &format!("/tasks/{task_ref}")).header("authorization", &format!("Bearer {KEY}"));
+        let get = || {
+            ApiGatewayEvent::new("GET", &format!("/tasks/{task_ref}")).header("authorization", &format!("Bearer {KEY}"))
+        };
         let fresh = body(&w.call(get()).await);
         assert_eq!((fresh["status"].as_str(), fresh["solution"].as_str()), (Some("solved"), Some("tok-fresh")));
         assert_eq!(fresh["resolved_via"], "callback");

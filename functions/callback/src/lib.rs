@@ -86,7 +86,8 @@ fn read_params(req: &Request) -> Result<Params, Response<Body>> {
 /// Turns the pingback's fields into a delivery, or says which field is wrong.
 fn read_delivery(p: Params, now: relay_shared::time::Timestamp) -> Result<Delivery, Response<Body>> {
     let id = p.id.filter(|v| !v.is_empty()).ok_or_else(|| problem(400, "missing_id", "the pingback has no `id`"))?;
-    let code = p.code.filter(|v| !v.is_empty()).ok_or_else(|| problem(400, "missing_code", "the pingback has no `code`"))?;
+    let code =
+        p.code.filter(|v| !v.is_empty()).ok_or_else(|| problem(400, "missing_code", "the pingback has no `code`"))?;
     let captcha_id = CaptchaId::parse(&id).map_err(|e| problem(400, "invalid_id", e.0))?;
     let outcome = if is_error_code(&code) {
         if classify(&code) == CodeClass::NotReady {
@@ -121,7 +122,9 @@ async fn handle_inner(req: Request, deps: &Deps) -> Result<Response<Body>, Respo
     let segs = path_segments(&req);
     let (raw_ref, sig) = match segs.as_slice() {
         [c, r, s] if c == "callback" => (r.as_str(), s.as_str()),
-        [c, _] | [c] if c == "callback" => return Err(problem(403, "bad_signature", "the callback path has no signature")),
+        [c, _] | [c] if c == "callback" => {
+            return Err(problem(403, "bad_signature", "the callback path has no signature"));
+        }
         _ => return Err(problem(404, "no_route", "no such route")),
     };
     // A malformed reference cannot carry a valid signature: same answer, nothing revealed.
@@ -145,7 +148,12 @@ async fn handle_inner(req: Request, deps: &Deps) -> Result<Response<Body>, Respo
             Ok(json(200, &serde_json::json!({ "outcome": "duplicate" })))
         }
         Ok(RecordOutcome::Conflict(existing)) => {
-            tracing::warn!(event = "callback_conflict", existing = existing.state.name(), outcome, "a different result was already recorded; the first one stays");
+            tracing::warn!(
+                event = "callback_conflict",
+                existing = existing.state.name(),
+                outcome,
+                "a different result was already recorded; the first one stays"
+            );
             Ok(json(200, &serde_json::json!({ "outcome": "conflict" })))
         }
         Ok(RecordOutcome::IdMismatch { expected }) => {
@@ -193,7 +201,8 @@ mod tests {
             let task = Task::new(TaskRef::generate(), CaptchaKind::Turnstile, now);
             self.deps.store.create(&task, now).await?;
             let id = CaptchaId::parse("777")?;
-            let SubmitRecorded::Pending(_) = self.deps.store.mark_submitted(&task.task_ref, &id, now, now).await? else {
+            let SubmitRecorded::Pending(_) = self.deps.store.mark_submitted(&task.task_ref, &id, now, now).await?
+            else {
                 anyhow::bail!("not pending")
             };
             Ok(task.task_ref)
@@ -233,12 +242,18 @@ mod tests {
                 if post { w.post(&path, "id=777&code=tok-A").await } else { w.get(&path, "id=777&code=tok-A").await };
             assert_eq!(first.status(), 200, "{}", text(&first));
             assert!(text(&first).contains("recorded"));
-            assert!(matches!(w.state(&r).await, TaskState::Solved { solution, via: Via::Callback, .. } if solution.expose() == "tok-A"));
-            let again = if post { w.post(&path, "id=777&code=tok-A").await } else { w.get(&path, "id=777&code=tok-A").await };
+            assert!(
+                matches!(w.state(&r).await, TaskState::Solved { solution, via: Via::Callback, .. } if solution.expose() == "tok-A")
+            );
+            let again =
+                if post { w.post(&path, "id=777&code=tok-A").await } else { w.get(&path, "id=777&code=tok-A").await };
             assert_eq!((again.status().as_u16(), text(&again).contains("duplicate")), (200, true));
             let other = w.get(&path, "id=777&code=tok-B").await;
             assert_eq!((other.status().as_u16(), text(&other).contains("conflict")), (200, true));
-            assert!(matches!(w.state(&r).await, TaskState::Solved { solution, .. } if solution.expose() == "tok-A"), "first result stays");
+            assert!(
+                matches!(w.state(&r).await, TaskState::Solved { solution, .. } if solution.expose() == "tok-A"),
+                "first result stays"
+            );
         }
         Ok(())
     }
@@ -249,7 +264,9 @@ mod tests {
         let r = w.pending_task().await?;
         let resp = w.post(&w.path(&r), "id=777&code=ERROR_CAPTCHA_UNSOLVABLE").await;
         assert_eq!(resp.status(), 200);
-        assert!(matches!(w.state(&r).await, TaskState::Failed { code, .. } if code.as_ref() == "ERROR_CAPTCHA_UNSOLVABLE"));
+        assert!(
+            matches!(w.state(&r).await, TaskState::Failed { code, .. } if code.as_ref() == "ERROR_CAPTCHA_UNSOLVABLE")
+        );
         Ok(())
     }
 
@@ -291,7 +308,14 @@ mod tests {
             (w.get(&p, "id=777&code=CAPCHA_NOT_READY").await, 422, "not_a_result"),
             (w.post(&p, &format!("id=777&code={}", "x".repeat(MAX_BODY))).await, 413, "body_too_large"),
             (
-                respond(ApiGatewayEvent::new("POST", &p).header("content-type", "application/json").body("{\"id\":1}").build(), &w.deps).await,
+                respond(
+                    ApiGatewayEvent::new("POST", &p)
+                        .header("content-type", "application/json")
+                        .body("{\"id\":1}")
+                        .build(),
+                    &w.deps,
+                )
+                .await,
                 415,
                 "unsupported_media_type",
             ),
@@ -341,7 +365,11 @@ mod tests {
         let r = w.pending_task().await?;
         // Nothing listens on port 9 of loopback: every store call fails at the transport.
         let broken = Deps {
-            store: TaskStore::new(relay_shared::testkit::client_for("http://127.0.0.1:9"), "tasks", std::time::Duration::from_secs(60)),
+            store: TaskStore::new(
+                relay_shared::testkit::client_for("http://127.0.0.1:9"),
+                "tasks",
+                std::time::Duration::from_secs(60),
+            ),
             ..w.deps.clone()
         };
         let resp = respond(ApiGatewayEvent::new("GET", &w.path(&r)).query("id=777&code=tok").build(), &broken).await;

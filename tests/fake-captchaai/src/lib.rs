@@ -154,7 +154,12 @@ impl FakeCaptchaAi {
 
     pub async fn start_on(bind: &str, config: FakeConfig) -> anyhow::Result<Self> {
         let shared = Shared {
-            inner: Arc::new(Mutex::new(Inner { config, counts: Counts::default(), tasks: HashMap::new(), next_id: 70_000_000 })),
+            inner: Arc::new(Mutex::new(Inner {
+                config,
+                counts: Counts::default(),
+                tasks: HashMap::new(),
+                next_id: 70_000_000,
+            })),
             http: reqwest::Client::builder().timeout(Duration::from_secs(10)).build()?,
         };
         let app = Router::new()
@@ -217,7 +222,13 @@ impl FakeCaptchaAi {
     }
 }
 
-async fn send_pingback(http: &reqwest::Client, url: &str, mode: CallbackMode, id: u64, code: &str) -> reqwest::Result<u16> {
+async fn send_pingback(
+    http: &reqwest::Client,
+    url: &str,
+    mode: CallbackMode,
+    id: u64,
+    code: &str,
+) -> reqwest::Result<u16> {
     let id = id.to_string();
     let req = match mode {
         CallbackMode::Get => http.get(url).query(&[("id", id.as_str()), ("code", code)]),
@@ -227,13 +238,19 @@ async fn send_pingback(http: &reqwest::Client, url: &str, mode: CallbackMode, id
 }
 
 /// Form or query parameters, whichever the request used.
-async fn params(method: &Method, headers: &HeaderMap, query: HashMap<String, String>, body: axum::body::Bytes) -> HashMap<String, String> {
+async fn params(
+    method: &Method,
+    headers: &HeaderMap,
+    query: HashMap<String, String>,
+    body: axum::body::Bytes,
+) -> HashMap<String, String> {
     let mut p = query;
     let is_form = headers
         .get("content-type")
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.starts_with("application/x-www-form-urlencoded"));
-    if *method == Method::POST && is_form
+    if *method == Method::POST
+        && is_form
         && let Ok(form) = serde_urlencoded::from_bytes::<Vec<(String, String)>>(&body)
     {
         p.extend(form);
@@ -309,7 +326,14 @@ async fn in_php(
         let recaptcha = m == "userrecaptcha";
         g.tasks.insert(
             id,
-            FakeTask { id, method: m, pingback: p.get("pingback").cloned(), answer: None, callback_statuses: Vec::new(), solved_at: None },
+            FakeTask {
+                id,
+                method: m,
+                pingback: p.get("pingback").cloned(),
+                answer: None,
+                callback_statuses: Vec::new(),
+                solved_at: None,
+            },
         );
         (id, g.config.solve_delay_ms, recaptcha)
     };
@@ -434,7 +458,13 @@ mod tests {
         let key = fake.api_key();
         let r: serde_json::Value = http
             .post(format!("{}/in.php", fake.base_url()))
-            .form(&[("key", key.as_str()), ("method", "userrecaptcha"), ("googlekey", "g"), ("pageurl", "https://a.example"), ("json", "1")])
+            .form(&[
+                ("key", key.as_str()),
+                ("method", "userrecaptcha"),
+                ("googlekey", "g"),
+                ("pageurl", "https://a.example"),
+                ("json", "1"),
+            ])
             .send()
             .await?
             .json()
@@ -447,7 +477,8 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(80)).await;
         let plain = http.get(&url).send().await?.text().await?;
         assert!(plain.starts_with("OK|fake-token-"), "{plain}");
-        let bad = http.get(format!("{}/res.php?key=x&action=get&id={id}", fake.base_url())).send().await?.text().await?;
+        let bad =
+            http.get(format!("{}/res.php?key=x&action=get&id={id}", fake.base_url())).send().await?.text().await?;
         assert_eq!(bad, "ERROR_WRONG_USER_KEY");
         assert_eq!(fake.counts().res_php, 3);
         assert_eq!(fake.counts().in_php, 1);
