@@ -423,6 +423,19 @@ impl CaptchaAiClient {
         }
     }
 
+    /// Reads several results in one request (`action=get&ids=…`, at most 100 ids).
+    pub async fn get_results(&self, ids: &[CaptchaId]) -> Result<Vec<ResAnswer>, CaptchaAiError> {
+        let joined = ids.iter().map(AsRef::as_ref).collect::<Vec<&str>>().join(",");
+        let resp = self
+            .http
+            .get(format!("{}/res.php", self.base_url))
+            .query(&[("key", self.key.expose_secret()), ("action", "get"), ("ids", joined.as_str()), ("json", "1")])
+            .send()
+            .await
+            .map_err(CaptchaAiError::from_reqwest)?;
+        split_batch(self.read(resp).await?, ids.len())
+    }
+
     /// Reads one task's result (`action=get`).
     pub async fn get_result(&self, id: &CaptchaId) -> Result<ResAnswer, CaptchaAiError> {
         let resp = self
@@ -436,9 +449,42 @@ impl CaptchaAiClient {
     }
 }
 
+/// Splits a batch answer (`a|b|c`, one part per id, in order) into per-task answers.
+pub fn split_batch(raw: RawAnswer, count: usize) -> Result<Vec<ResAnswer>, CaptchaAiError> {
+    let text = match raw {
+        RawAnswer::Ok(t) => t,
+        RawAnswer::Code(c) => return Err(CaptchaAiError::Code(code(&c)?)),
+    };
+    let parts: Vec<&str> = text.split('|').collect();
+    if parts.len() != count {
+        return Err(CaptchaAiError::NotAnAnswer(format!("batch answer has {} parts for {count} ids", parts.len())));
+    }
+    parts
+        .into_iter()
+        .map(|p| {
+            let raw = if p == "CAPCHA_NOT_READY" || classify(p) != CodeClass::Unknown || p.starts_with("ERROR") {
+                RawAnswer::Code(p.to_owned())
+            } else {
+                RawAnswer::Ok(p.to_owned())
+            };
+            res_answer(raw)
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn batch_answers_split_in_order() {
+        let got = split_batch(RawAnswer::Ok("tok1|CAPCHA_NOT_READY|ERROR_CAPTCHA_UNSOLVABLE".into()), 3).expect("split");
+        assert!(matches!(&got[0], ResAnswer::Ready(s) if s.expose() == "tok1"));
+        assert_eq!(got[1], ResAnswer::NotReady);
+        assert!(matches!(&got[2], ResAnswer::Code(c) if c.as_ref() == "ERROR_CAPTCHA_UNSOLVABLE"));
+        assert!(split_batch(RawAnswer::Ok("a|b".into()), 3).is_err(), "a short answer is not trusted");
+        assert!(split_batch(RawAnswer::Code("ERROR_WRONG_ID_FORMAT".into()), 1).is_err());
+    }
 
     #[test]
     fn every_submit_answer_shape_is_read() {

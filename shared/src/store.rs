@@ -44,6 +44,49 @@ mod attr {
     pub const POLL_SHARD: &str = "poll_shard";
     pub const POLL_DUE_AT: &str = "poll_due_at";
     pub const EXPIRES_TTL: &str = "expires_ttl";
+    pub const POLL_READS: &str = "poll_reads";
+    pub const POLL_UNKNOWN: &str = "poll_unknown";
+    pub const LAST_NOT_READY_AT: &str = "last_not_ready_at";
+}
+
+/// An open task as the due-for-poll index lists it, with the poller's bookkeeping.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DueTask {
+    pub task: Task,
+    /// The `poll_due_at` it was listed under; a claim is conditional on it being unchanged.
+    pub due_at: Timestamp,
+    /// res.php reads spent on it so far.
+    pub reads: u32,
+    /// Unknown codes seen so far.
+    pub unknown_codes: u32,
+    /// The last time res.php said "not ready": the token cannot be older than that.
+    pub last_not_ready_at: Option<Timestamp>,
+}
+
+/// One page of the due-for-poll index.
+#[derive(Debug, Default)]
+pub struct DuePage {
+    pub tasks: Vec<DueTask>,
+    /// Where the next page starts; `None` when the shard is done.
+    pub next: Option<HashMap<String, AttributeValue>>,
+}
+
+fn get_u32(item: &Item, name: &str) -> Result<u32, StoreError> {
+    Ok(get_ts(item, name)?.map_or(0, |t| u32::try_from(t.as_millis()).unwrap_or(u32::MAX)))
+}
+
+impl TryFrom<&Item> for DueTask {
+    type Error = StoreError;
+
+    fn try_from(item: &Item) -> Result<Self, StoreError> {
+        Ok(Self {
+            task: Task::try_from(item)?,
+            due_at: req_ts(item, attr::POLL_DUE_AT)?,
+            reads: get_u32(item, attr::POLL_READS)?,
+            unknown_codes: get_u32(item, attr::POLL_UNKNOWN)?,
+            last_not_ready_at: get_ts(item, attr::LAST_NOT_READY_AT)?,
+        })
+    }
 }
 
 /// A store failure. Every variant says whether trying again may help.
@@ -341,7 +384,7 @@ impl TaskStore {
             .return_values(ReturnValue::AllNew)
             .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld);
         const COMMON: &str = "captcha_id = :id, resolved_at = :at, resolved_via = :via, expires_ttl = :ttl";
-        const CLEAR: &str = "REMOVE poll_due_at, poll_shard";
+        const CLEAR: &str = "REMOVE poll_due_at, poll_shard, lease_owner";
         req = match &d.outcome {
             Outcome::Solved(solution) => req
                 .update_expression(format!(
@@ -377,6 +420,131 @@ impl TaskStore {
                 }
                 None => Err(sdk_error(e)),
             },
+        }
+    }
+
+    /// One page of tasks due for a poll at `now` in one index shard (a Query, never a Scan).
+    pub async fn due_page(
+        &self,
+        shard: u8,
+        now: Timestamp,
+        limit: i32,
+        start: Option<HashMap<String, AttributeValue>>,
+    ) -> Result<DuePage, StoreError> {
+        let out = self
+            .client
+            .query()
+            .table_name(&self.table)
+            .index_name(DUE_INDEX)
+            .key_condition_expression("poll_shard = :shard AND poll_due_at <= :now")
+            .expression_attribute_values(":shard", n(u64::from(shard)))
+            .expression_attribute_values(":now", n(now.as_millis()))
+            .limit(limit)
+            .set_exclusive_start_key(start)
+            .send()
+            .await
+            .map_err(sdk_error)?;
+        let tasks = out.items().iter().map(DueTask::try_from).collect::<Result<Vec<_>, _>>()?;
+        Ok(DuePage { tasks, next: out.last_evaluated_key.filter(|k| !k.is_empty()) })
+    }
+
+    /// Claims a due task for one poller until `lease_until`: its `poll_due_at` moves to the
+    /// lease's end, so it leaves the due list, and comes back by itself if the poller dies.
+    /// Conditional on the listing being current, so two pollers never both win.
+    pub async fn claim(&self, due: &DueTask, owner: &str, lease_until: Timestamp) -> Result<bool, StoreError> {
+        let res = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key(attr::PK, s(due.task.task_ref.as_ref()))
+            .update_expression("SET poll_due_at = :lease, lease_owner = :owner")
+            .condition_expression("poll_due_at = :seen AND #state IN (:submitting, :pending)")
+            .expression_attribute_names("#state", attr::STATE)
+            .expression_attribute_values(":lease", n(lease_until.as_millis()))
+            .expression_attribute_values(":owner", s(owner))
+            .expression_attribute_values(":seen", n(due.due_at.as_millis()))
+            .expression_attribute_values(":submitting", s("submitting"))
+            .expression_attribute_values(":pending", s("pending"))
+            .send()
+            .await;
+        match res {
+            Ok(_) => Ok(true),
+            Err(e) if refused_item(&e).is_some() => Ok(false),
+            Err(e) => Err(sdk_error(e)),
+        }
+    }
+
+    /// Puts a claimed, still open task back on the due list at `next_due`, counting the read.
+    /// Conditional on still holding the lease; `false` if another path resolved it meanwhile.
+    pub async fn reschedule(
+        &self,
+        task_ref: &TaskRef,
+        owner: &str,
+        next_due: Timestamp,
+        read: bool,
+        unknown_code: bool,
+        not_ready_at: Option<Timestamp>,
+    ) -> Result<bool, StoreError> {
+        let mut set = vec![
+            "poll_due_at = :next",
+            "poll_reads = if_not_exists(poll_reads, :zero) + :r",
+            "poll_unknown = if_not_exists(poll_unknown, :zero) + :u",
+        ];
+        if not_ready_at.is_some() {
+            set.push("last_not_ready_at = :nr");
+        }
+        let mut req = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key(attr::PK, s(task_ref.as_ref()))
+            .update_expression(format!("SET {} REMOVE lease_owner", set.join(", ")))
+            .condition_expression("lease_owner = :owner AND #state IN (:submitting, :pending)")
+            .expression_attribute_names("#state", attr::STATE)
+            .expression_attribute_values(":next", n(next_due.as_millis()))
+            .expression_attribute_values(":zero", n(0))
+            .expression_attribute_values(":r", n(u64::from(read)))
+            .expression_attribute_values(":u", n(u64::from(unknown_code)))
+            .expression_attribute_values(":owner", s(owner))
+            .expression_attribute_values(":submitting", s("submitting"))
+            .expression_attribute_values(":pending", s("pending"));
+        if let Some(t) = not_ready_at {
+            req = req.expression_attribute_values(":nr", n(t.as_millis()));
+        }
+        match req.send().await {
+            Ok(_) => Ok(true),
+            Err(e) if refused_item(&e).is_some() => Ok(false),
+            Err(e) => Err(sdk_error(e)),
+        }
+    }
+
+    /// Ends an open task that got no result in time: → expired. `false` if it had already
+    /// been resolved.
+    pub async fn expire(&self, task_ref: &TaskRef, reason: &str, now: Timestamp) -> Result<bool, StoreError> {
+        let res = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key(attr::PK, s(task_ref.as_ref()))
+            .update_expression(
+                "SET #state = :expired, error_detail = :reason, resolved_at = :now, resolved_via = :via, \
+                 expires_ttl = :ttl REMOVE poll_due_at, poll_shard, lease_owner",
+            )
+            .condition_expression("#state IN (:submitting, :pending)")
+            .expression_attribute_names("#state", attr::STATE)
+            .expression_attribute_values(":expired", s("expired"))
+            .expression_attribute_values(":reason", s(reason))
+            .expression_attribute_values(":now", n(now.as_millis()))
+            .expression_attribute_values(":via", s(Via::Deadline.as_str()))
+            .expression_attribute_values(":ttl", self.ttl(now))
+            .expression_attribute_values(":submitting", s("submitting"))
+            .expression_attribute_values(":pending", s("pending"))
+            .send()
+            .await;
+        match res {
+            Ok(_) => Ok(true),
+            Err(e) if refused_item(&e).is_some() => Ok(false),
+            Err(e) => Err(sdk_error(e)),
         }
     }
 
