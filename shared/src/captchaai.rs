@@ -478,7 +478,8 @@ mod tests {
 
     #[test]
     fn batch_answers_split_in_order() {
-        let got = split_batch(RawAnswer::Ok("tok1|CAPCHA_NOT_READY|ERROR_CAPTCHA_UNSOLVABLE".into()), 3).expect("split");
+        let got =
+            split_batch(RawAnswer::Ok("tok1|CAPCHA_NOT_READY|ERROR_CAPTCHA_UNSOLVABLE".into()), 3).expect("split");
         assert!(matches!(&got[0], ResAnswer::Ready(s) if s.expose() == "tok1"));
         assert_eq!(got[1], ResAnswer::NotReady);
         assert!(matches!(&got[2], ResAnswer::Code(c) if c.as_ref() == "ERROR_CAPTCHA_UNSOLVABLE"));

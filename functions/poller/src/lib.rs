@@ -86,7 +86,10 @@ impl Deps {
             ..d
         };
         let aws = relay_shared::aws_config().await;
-        let key = relay_shared::secrets::SecretLoader::new(&aws).load(&cai.api_key).await.context("loading the CaptchaAI key")?;
+        let key = relay_shared::secrets::SecretLoader::new(&aws)
+            .load(&cai.api_key)
+            .await
+            .context("loading the CaptchaAI key")?;
         Ok(Self {
             store: TaskStore::from_config(&aws, &store_cfg),
             captchaai: CaptchaAiClient::new(&cai.base_url, key, cai.timeout.min(Duration::from_secs(10)), None)?,
@@ -360,7 +363,14 @@ async fn record(deps: &Deps, now: Timestamp, due: &DueTask, outcome: Outcome) ->
     }
 }
 
-async fn reschedule(deps: &Deps, due: &DueTask, next: Timestamp, read: bool, unknown: bool, not_ready_at: Option<Timestamp>) -> bool {
+async fn reschedule(
+    deps: &Deps,
+    due: &DueTask,
+    next: Timestamp,
+    read: bool,
+    unknown: bool,
+    not_ready_at: Option<Timestamp>,
+) -> bool {
     match deps.store.reschedule(&due.task.task_ref, &deps.owner, next, read, unknown, not_ready_at).await {
         Ok(_) => true,
         Err(e) => {
@@ -376,7 +386,11 @@ async fn apply_one(deps: &Deps, now: Timestamp, due: DueTask, answer: Result<Res
     match answer {
         Ok(ResAnswer::Ready(solution)) => record(deps, now, &due, Outcome::Solved(solution)).await,
         Ok(ResAnswer::NotReady) => {
-            if reschedule(deps, &due, next, true, false, Some(now)).await { Applied::NotReady } else { Applied::Error }
+            if reschedule(deps, &due, next, true, false, Some(now)).await {
+                Applied::NotReady
+            } else {
+                Applied::Error
+            }
         }
         Ok(ResAnswer::Code(code)) => match code.class() {
             CodeClass::TerminalForTask => record(deps, now, &due, Outcome::Failed(code)).await,
@@ -396,7 +410,11 @@ async fn apply_one(deps: &Deps, now: Timestamp, due: DueTask, answer: Result<Res
             }
             CodeClass::Transient | CodeClass::NotReady => {
                 let wait = next_poll_delay(due.reads + 1).max(Duration::from_secs(retry_after_secs(code.as_ref())));
-                if reschedule(deps, &due, now.plus(wait), true, false, None).await { Applied::Transient } else { Applied::Error }
+                if reschedule(deps, &due, now.plus(wait), true, false, None).await {
+                    Applied::Transient
+                } else {
+                    Applied::Error
+                }
             }
         },
         Err(e) => {
@@ -432,8 +450,12 @@ mod tests {
         let pending = TaskState::Pending { submitted_at: Timestamp::from_millis(1_000) };
         let t = |ms| Timestamp::from_millis(ms);
         assert!(matches!(decide(&due(pending.clone(), Some("7"), 0), t(130_000), &s), Decision::Read(_)));
-        assert!(matches!(decide(&due(pending.clone(), Some("7"), 20), t(130_000), &s), Decision::Expire(r) if r.contains("20 res.php reads")));
-        assert!(matches!(decide(&due(pending, Some("7"), 0), t(601_000), &s), Decision::Expire(r) if r.contains("600 s")));
+        assert!(
+            matches!(decide(&due(pending.clone(), Some("7"), 20), t(130_000), &s), Decision::Expire(r) if r.contains("20 res.php reads"))
+        );
+        assert!(
+            matches!(decide(&due(pending, Some("7"), 0), t(601_000), &s), Decision::Expire(r) if r.contains("600 s"))
+        );
         assert_eq!(decide(&due(TaskState::Submitting, None, 0), t(5_000), &s), Decision::Wait { until: t(600_000) });
     }
 }

@@ -209,6 +209,31 @@ impl FakeCaptchaAi {
         v
     }
 
+    /// Adds `n` tasks that are already solved, without pingbacks (for bulk poller tests).
+    pub fn preload_solved(&self, n: usize) -> Vec<String> {
+        let mut g = self.shared.lock();
+        let seed = g.config.seed;
+        (0..n)
+            .map(|_| {
+                g.next_id += 1;
+                let id = g.next_id;
+                let answer = Some(format!("fake-token-{id}-{:016x}", mix(seed ^ id)));
+                g.tasks.insert(
+                    id,
+                    FakeTask {
+                        id,
+                        method: "turnstile".into(),
+                        pingback: None,
+                        answer,
+                        callback_statuses: Vec::new(),
+                        solved_at: Some(Instant::now()),
+                    },
+                );
+                id.to_string()
+            })
+            .collect()
+    }
+
     /// Sends a pingback for a task now, with the given answer (for tests of forged or
     /// conflicting deliveries). Returns the receiver's HTTP status.
     pub async fn deliver(&self, id: &str, code: &str) -> anyhow::Result<u16> {
