@@ -353,3 +353,19 @@ async fn two_thousand_due_tasks_are_all_processed_across_ticks_and_pages() -> an
     }
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_tick_without_time_left_stops_cleanly_and_leaves_the_work() -> anyhow::Result<()> {
+    let w = world(FakeConfig { drop_callbacks: 1.0, ..FakeConfig::default() }).await?;
+    let tasks = w.submit(5).await?;
+    w.settle().await;
+    w.clock.advance(Duration::from_secs(121));
+    let p = w.poller(settings(), "p1")?;
+    // The Lambda deadline is closer than the safety margin: nothing is claimed or read.
+    let late = poll_once(&p, w.clock.now(), Instant::now() + Duration::from_secs(1)).await;
+    assert!(late.stopped_early, "{late:?}");
+    assert_eq!((late.claimed, late.res_php_requests), (0, 0));
+    assert_eq!(w.tick(&p).await.recovered, 5, "the next tick does the work");
+    assert!(matches!(w.state(&tasks[0].0).await, TaskState::Solved { .. }));
+    Ok(())
+}
