@@ -467,11 +467,7 @@ impl TaskStore {
             .expression_attribute_values(":pending", s("pending"))
             .send()
             .await;
-        match res {
-            Ok(_) => Ok(true),
-            Err(e) if refused_item(&e).is_some() => Ok(false),
-            Err(e) => Err(sdk_error(e)),
-        }
+        condition_held(res)
     }
 
     /// Puts a claimed, still open task back on the due list at `next_due`, counting the read.
@@ -511,11 +507,7 @@ impl TaskStore {
         if let Some(t) = not_ready_at {
             req = req.expression_attribute_values(":nr", n(t.as_millis()));
         }
-        match req.send().await {
-            Ok(_) => Ok(true),
-            Err(e) if refused_item(&e).is_some() => Ok(false),
-            Err(e) => Err(sdk_error(e)),
-        }
+        condition_held(req.send().await)
     }
 
     /// Ends an open task that got no result in time: → expired. `false` if it had already
@@ -541,11 +533,7 @@ impl TaskStore {
             .expression_attribute_values(":pending", s("pending"))
             .send()
             .await;
-        match res {
-            Ok(_) => Ok(true),
-            Err(e) if refused_item(&e).is_some() => Ok(false),
-            Err(e) => Err(sdk_error(e)),
-        }
+        condition_held(res)
     }
 
     /// Reads a task (strongly consistent).
@@ -560,6 +548,17 @@ impl TaskStore {
             .await
             .map_err(sdk_error)?;
         out.item.as_ref().map(Task::try_from).transpose()
+    }
+}
+
+/// `true` if a conditional update was applied, `false` if its condition did not hold.
+fn condition_held<O, R: std::fmt::Debug>(
+    res: Result<O, SdkError<aws_sdk_dynamodb::operation::update_item::UpdateItemError, R>>,
+) -> Result<bool, StoreError> {
+    match res {
+        Ok(_) => Ok(true),
+        Err(e) if refused_item(&e).is_some() => Ok(false),
+        Err(e) => Err(sdk_error(e)),
     }
 }
 
