@@ -426,26 +426,24 @@ impl CaptchaAiClient {
     /// Reads several results in one request (`action=get&ids=…`, at most 100 ids).
     pub async fn get_results(&self, ids: &[CaptchaId]) -> Result<Vec<ResAnswer>, CaptchaAiError> {
         let joined = ids.iter().map(AsRef::as_ref).collect::<Vec<&str>>().join(",");
-        let resp = self
-            .http
-            .get(format!("{}/res.php", self.base_url))
-            .query(&[("key", self.key.expose_secret()), ("action", "get"), ("ids", joined.as_str()), ("json", "1")])
-            .send()
-            .await
-            .map_err(CaptchaAiError::from_reqwest)?;
-        split_batch(self.read(resp).await?, ids.len())
+        split_batch(self.res_php_get("ids", &joined).await?, ids.len())
     }
 
     /// Reads one task's result (`action=get`).
     pub async fn get_result(&self, id: &CaptchaId) -> Result<ResAnswer, CaptchaAiError> {
+        res_answer(self.res_php_get("id", id.as_ref()).await?)
+    }
+
+    /// `res.php?action=get&<name>=<value>&json=1`.
+    async fn res_php_get(&self, name: &str, value: &str) -> Result<RawAnswer, CaptchaAiError> {
         let resp = self
             .http
             .get(format!("{}/res.php", self.base_url))
-            .query(&[("key", self.key.expose_secret()), ("action", "get"), ("id", id.as_ref()), ("json", "1")])
+            .query(&[("key", self.key.expose_secret()), ("action", "get"), (name, value), ("json", "1")])
             .send()
             .await
             .map_err(CaptchaAiError::from_reqwest)?;
-        res_answer(self.read(resp).await?)
+        self.read(resp).await
     }
 }
 
