@@ -418,6 +418,14 @@ impl Task {
         }
     }
 
+    /// When in.php accepted the task, or when it was created if that is not known (yet).
+    pub fn submitted_or_created_at(&self) -> Timestamp {
+        match self.state {
+            TaskState::Pending { submitted_at } => submitted_at,
+            _ => self.created_at,
+        }
+    }
+
     /// When the solution stops being usable, if it is a solution that can expire.
     pub fn solution_expires_at(&self) -> Option<Timestamp> {
         match &self.state {
@@ -577,6 +585,13 @@ mod tests {
         assert_eq!(task.state, TaskState::Pending { submitted_at: t(100) });
         assert_eq!(task.captcha_id, Some(id("42")));
         assert!(matches!(task.submitted(id("43"), t(200)), Err(TransitionError::NotAllowed { from: "pending", .. })));
+    }
+
+    #[test]
+    fn start_time_is_the_submit_once_known() {
+        let fresh = Task::new(TaskRef::generate(), CaptchaKind::Image, t(7));
+        assert_eq!(fresh.submitted_or_created_at(), t(7));
+        assert_eq!(pending_task(CaptchaKind::Image).submitted_or_created_at(), t(100));
     }
 
     #[test]

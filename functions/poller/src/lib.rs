@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use relay_shared::captchaai::{CaptchaAiClient, CaptchaAiError, ResAnswer};
 use relay_shared::codes::{CodeClass, retry_after_secs};
-use relay_shared::domain::{CaptchaId, Delivery, Outcome, TaskState, Via};
+use relay_shared::domain::{CaptchaId, Delivery, Outcome, Via};
 use relay_shared::store::{DueTask, POLL_SHARDS, RecordOutcome, TaskStore};
 use relay_shared::time::Timestamp;
 use serde::Serialize;
@@ -142,11 +142,7 @@ pub enum Decision {
 }
 
 pub fn decide(due: &DueTask, now: Timestamp, s: &PollerSettings) -> Decision {
-    let started = match due.task.state {
-        TaskState::Pending { submitted_at } => submitted_at,
-        _ => due.task.created_at,
-    };
-    let deadline = started.plus(s.task_deadline);
+    let deadline = due.task.submitted_or_created_at().plus(s.task_deadline);
     if now >= deadline {
         return Decision::Expire(format!("no result within {} s of submit", s.task_deadline.as_secs()));
     }
@@ -331,10 +327,6 @@ async fn apply_all(deps: &Deps, now: Timestamp, answers: Vec<Answer>, report: &m
 async fn record(deps: &Deps, now: Timestamp, due: &DueTask, outcome: Outcome) -> Applied {
     let Some(captcha_id) = due.task.captcha_id.clone() else { return Applied::Error };
     let solved = matches!(outcome, Outcome::Solved(_));
-    let submitted_at = match due.task.state {
-        TaskState::Pending { submitted_at } => submitted_at,
-        _ => due.task.created_at,
-    };
     // res.php cannot say when the solve happened; the token is no older than the last
     // "not ready" (or the submit), so its clock starts there.
     let d = Delivery {
@@ -342,7 +334,7 @@ async fn record(deps: &Deps, now: Timestamp, due: &DueTask, outcome: Outcome) ->
         outcome,
         received_at: now,
         via: Via::Poll,
-        token_clock_start: due.last_not_ready_at.unwrap_or(submitted_at),
+        token_clock_start: due.last_not_ready_at.unwrap_or_else(|| due.task.submitted_or_created_at()),
     };
     let r = &due.task.task_ref;
     match deps.store.record_result(r, &d).await {
@@ -428,7 +420,7 @@ async fn apply_one(deps: &Deps, now: Timestamp, due: DueTask, answer: Result<Res
 #[cfg(test)]
 mod tests {
     use super::*;
-    use relay_shared::domain::{CaptchaKind, Task, TaskRef};
+    use relay_shared::domain::{CaptchaKind, Task, TaskRef, TaskState};
 
     fn due(state: TaskState, id: Option<&str>, reads: u32) -> DueTask {
         let mut task = Task::new(TaskRef::generate(), CaptchaKind::Turnstile, Timestamp::from_millis(0));
