@@ -21,6 +21,38 @@ pub struct Relay {
     pub callback: relay_callback::Deps,
 }
 
+/// What a relay on one machine is made of; everything else takes the Lambda defaults.
+pub struct LocalParts {
+    pub store: relay_shared::store::TaskStore,
+    pub captchaai: relay_shared::captchaai::CaptchaAiClient,
+    /// Bearer key for `/tasks` (there is no IAM locally).
+    pub api_key: secrecy::SecretString,
+    pub signing_secret: secrecy::SecretString,
+    /// Where CaptchaAI reaches this relay's `/callback/…`.
+    pub callback_base_url: String,
+    pub clock: Arc<dyn relay_shared::time::Clock>,
+}
+
+impl Relay {
+    pub fn new(p: LocalParts) -> Self {
+        let signer = relay_shared::signing::CallbackSigner::new(p.signing_secret);
+        Self {
+            api: relay_api::Deps {
+                store: p.store.clone(),
+                captchaai: p.captchaai,
+                signer: signer.clone(),
+                auth: relay_shared::http::Authorizer::api_key(&p.api_key),
+                clock: p.clock.clone(),
+                callback_base_url: Some(p.callback_base_url),
+                callback_grace: std::time::Duration::from_secs(120),
+                submit_attempts: 3,
+                submit_backoff: std::time::Duration::from_millis(200),
+            },
+            callback: relay_callback::Deps { store: p.store, signer, clock: p.clock },
+        }
+    }
+}
+
 /// The routes, as API Gateway serves them.
 pub fn router(relay: Arc<Relay>) -> Router {
     Router::new().route("/health", axum::routing::get(|| async { "ok" })).fallback(dispatch).with_state(relay)

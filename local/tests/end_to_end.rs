@@ -6,10 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use fake_captchaai::{CallbackMode, FakeCaptchaAi, FakeConfig};
-use relay_local::Relay;
+use relay_local::{LocalParts, Relay};
 use relay_shared::captchaai::CaptchaAiClient;
-use relay_shared::http::Authorizer;
-use relay_shared::signing::CallbackSigner;
 use relay_shared::testkit::LocalDynamo;
 use relay_shared::time::SystemClock;
 use secrecy::SecretString;
@@ -29,28 +27,19 @@ async fn start(cfg: FakeConfig) -> anyhow::Result<Running> {
     let fake = FakeCaptchaAi::start(cfg).await?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let base = format!("http://{}", listener.local_addr()?);
-    let store = db.fresh_store().await?;
-    let signer = CallbackSigner::new(SecretString::from("e2e-signing".to_owned()));
-    let clock = Arc::new(SystemClock);
-    let relay = Arc::new(Relay {
-        api: relay_api::Deps {
-            store: store.clone(),
-            captchaai: CaptchaAiClient::new(
-                &fake.base_url(),
-                SecretString::from(fake.api_key()),
-                Duration::from_secs(5),
-                None,
-            )?,
-            signer: signer.clone(),
-            auth: Authorizer::api_key(&SecretString::from(KEY.to_owned())),
-            clock: clock.clone(),
-            callback_base_url: Some(base.clone()),
-            callback_grace: Duration::from_secs(120),
-            submit_attempts: 3,
-            submit_backoff: Duration::from_millis(10),
-        },
-        callback: relay_callback::Deps { store, signer, clock },
-    });
+    let relay = Arc::new(Relay::new(LocalParts {
+        store: db.fresh_store().await?,
+        captchaai: CaptchaAiClient::new(
+            &fake.base_url(),
+            SecretString::from(fake.api_key()),
+            Duration::from_secs(5),
+            None,
+        )?,
+        api_key: SecretString::from(KEY.to_owned()),
+        signing_secret: SecretString::from("e2e-signing".to_owned()),
+        callback_base_url: base.clone(),
+        clock: Arc::new(SystemClock),
+    }));
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     tokio::spawn(relay_local::serve(listener, relay, async move {
         let _ = rx.await;

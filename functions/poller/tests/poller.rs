@@ -5,12 +5,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fake_captchaai::{FakeCaptchaAi, FakeConfig};
-use relay_local::Relay;
+use relay_local::{LocalParts, Relay};
 use relay_poller::{Deps, PollerSettings, TickReport, poll_once};
 use relay_shared::captchaai::CaptchaAiClient;
 use relay_shared::domain::{CaptchaId, CaptchaKind, Task, TaskRef, TaskState, Via};
-use relay_shared::http::Authorizer;
-use relay_shared::signing::CallbackSigner;
 use relay_shared::store::{RecordOutcome, SubmitRecorded, TaskStore};
 use relay_shared::testkit::LocalDynamo;
 use relay_shared::time::{Clock, ManualClock, Timestamp};
@@ -39,21 +37,14 @@ async fn world(cfg: FakeConfig) -> anyhow::Result<World> {
     let base = format!("http://{}", listener.local_addr()?);
     let store = db.fresh_store().await?;
     let clock = ManualClock::at(Timestamp::from_millis(1_796_210_146_000));
-    let signer = CallbackSigner::new(SecretString::from("poller-signing".to_owned()));
-    let relay = Arc::new(Relay {
-        api: relay_api::Deps {
-            store: store.clone(),
-            captchaai: client(&fake)?,
-            signer: signer.clone(),
-            auth: Authorizer::api_key(&SecretString::from(KEY.to_owned())),
-            clock: Arc::new(clock.clone()),
-            callback_base_url: Some(base.clone()),
-            callback_grace: Duration::from_secs(120),
-            submit_attempts: 1,
-            submit_backoff: Duration::from_millis(1),
-        },
-        callback: relay_callback::Deps { store: store.clone(), signer, clock: Arc::new(clock.clone()) },
-    });
+    let relay = Arc::new(Relay::new(LocalParts {
+        store: store.clone(),
+        captchaai: client(&fake)?,
+        api_key: SecretString::from(KEY.to_owned()),
+        signing_secret: SecretString::from("poller-signing".to_owned()),
+        callback_base_url: base.clone(),
+        clock: Arc::new(clock.clone()),
+    }));
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     tokio::spawn(relay_local::serve(listener, relay, async move {
         let _ = rx.await;
@@ -94,6 +85,15 @@ impl World {
             ));
         }
         Ok(out)
+    }
+
+    /// Submits `n` tasks, lets the fake finish with them, and moves past the callback grace:
+    /// whatever did not arrive by callback is now due for a poll.
+    async fn submit_past_grace(&self, n: usize) -> anyhow::Result<Vec<(TaskRef, String)>> {
+        let tasks = self.submit(n).await?;
+        self.settle().await;
+        self.clock.advance(Duration::from_secs(121));
+        Ok(tasks)
     }
 
     /// Waits until the fake has solved (and, where it will, delivered) everything.
@@ -153,9 +153,7 @@ async fn tasks_whose_callback_came_are_never_polled() -> anyhow::Result<()> {
 #[tokio::test(flavor = "multi_thread")]
 async fn callback_and_poll_racing_apply_each_result_exactly_once() -> anyhow::Result<()> {
     let w = world(FakeConfig { drop_callbacks: 1.0, ..FakeConfig::default() }).await?;
-    let tasks = w.submit(30).await?;
-    w.settle().await;
-    w.clock.advance(Duration::from_secs(121));
+    let tasks = w.submit_past_grace(30).await?;
     let p = w.poller(settings(), "racer")?;
     let pingbacks = tasks.iter().map(|(_, id)| {
         let answer = w.fake.task(id).and_then(|t| t.answer).unwrap_or_default();
@@ -219,9 +217,7 @@ async fn codes_are_classified_terminal_unknown_and_transient() -> anyhow::Result
         ("ERROR_NO_SLOT_AVAILABLE", "pending"),
     ] {
         w.fake.configure(|c| c.result_code = Some(code.into()));
-        let tasks = w.submit(3).await?;
-        w.settle().await;
-        w.clock.advance(Duration::from_secs(121));
+        let tasks = w.submit_past_grace(3).await?;
         let mut ticks = 0;
         for _ in 0..3 {
             w.tick(&p).await;
@@ -255,9 +251,7 @@ async fn a_task_past_its_deadline_is_expired_with_a_reason() -> anyhow::Result<(
 async fn batching_reads_100_ids_per_request_and_falls_back_when_refused() -> anyhow::Result<()> {
     for supported in [true, false] {
         let w = world(FakeConfig { drop_callbacks: 1.0, batch_supported: supported, ..FakeConfig::default() }).await?;
-        let tasks = w.submit(150).await?;
-        w.settle().await;
-        w.clock.advance(Duration::from_secs(121));
+        let tasks = w.submit_past_grace(150).await?;
         let tick = w.tick(&w.poller(settings(), "p1")?).await;
         assert_eq!(tick.recovered, 150, "{tick:?}");
         assert_eq!(tick.batch_rejected, !supported);
@@ -271,9 +265,7 @@ async fn batching_reads_100_ids_per_request_and_falls_back_when_refused() -> any
 #[tokio::test(flavor = "multi_thread")]
 async fn overlapping_ticks_never_read_a_task_twice_and_crashed_claims_lapse() -> anyhow::Result<()> {
     let w = world(FakeConfig { drop_callbacks: 1.0, ..FakeConfig::default() }).await?;
-    let tasks = w.submit(60).await?;
-    w.settle().await;
-    w.clock.advance(Duration::from_secs(121));
+    let tasks = w.submit_past_grace(60).await?;
     let (a, b) = (
         w.poller(PollerSettings { batch: false, ..settings() }, "a")?,
         w.poller(PollerSettings { batch: false, ..settings() }, "b")?,
@@ -283,9 +275,7 @@ async fn overlapping_ticks_never_read_a_task_twice_and_crashed_claims_lapse() ->
     assert_eq!(w.fake.counts().res_php_ids, 60, "each task read once across both pollers");
 
     // A poller that claims and dies: its tasks come back once the lease lapses.
-    let more = w.submit(5).await?;
-    w.settle().await;
-    w.clock.advance(Duration::from_secs(121));
+    let more = w.submit_past_grace(5).await?;
     let crashed = w.poller(settings(), "crashed")?;
     for shard in 0..relay_shared::store::POLL_SHARDS {
         for due in w.store.due_page(shard, w.clock.now(), 100, None).await?.tasks {
@@ -357,9 +347,7 @@ async fn two_thousand_due_tasks_are_all_processed_across_ticks_and_pages() -> an
 #[tokio::test(flavor = "multi_thread")]
 async fn a_tick_without_time_left_stops_cleanly_and_leaves_the_work() -> anyhow::Result<()> {
     let w = world(FakeConfig { drop_callbacks: 1.0, ..FakeConfig::default() }).await?;
-    let tasks = w.submit(5).await?;
-    w.settle().await;
-    w.clock.advance(Duration::from_secs(121));
+    let tasks = w.submit_past_grace(5).await?;
     let p = w.poller(settings(), "p1")?;
     // The Lambda deadline is closer than the safety margin: nothing is claimed or read.
     let late = poll_once(&p, w.clock.now(), Instant::now() + Duration::from_secs(1)).await;
