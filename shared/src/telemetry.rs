@@ -18,6 +18,11 @@ pub fn init() {
         .try_init();
 }
 
+/// Logs a failed cold start (with its cause chain) before the runtime reports it.
+pub fn cold_start<T>(deps: anyhow::Result<T>) -> anyhow::Result<T> {
+    deps.inspect_err(|e| tracing::error!(event = "cold_start_failed", error = format!("{e:#}"), "cold start failed"))
+}
+
 /// A short, non-reversible stand-in for a token in logs: its length and first characters
 /// would already say too much, so only the length is kept.
 pub fn redact(token: &str) -> String {

@@ -6,10 +6,7 @@ use relay_shared::time::{Clock, SystemClock};
 #[tokio::main]
 async fn main() -> Result<(), lambda_runtime::Error> {
     relay_shared::telemetry::init();
-    let deps = relay_poller::Deps::from_env().await.map_err(|e| {
-        tracing::error!(error = format!("{e:#}"), "cold start failed");
-        e
-    })?;
+    let deps = relay_shared::telemetry::cold_start(relay_poller::Deps::from_env().await)?;
     run(service_fn(|event: LambdaEvent<serde_json::Value>| {
         let deps = &deps;
         async move {
