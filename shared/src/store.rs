@@ -666,9 +666,22 @@ mod tests {
         Outcome::Solved(Solution::parse(token).expect("token"))
     }
 
-    async fn pending(store: &TaskStore, kind: CaptchaKind) -> Task {
+    /// A running engine and a store on a new table. Keep the engine alive for the test.
+    async fn engine() -> anyhow::Result<(LocalDynamo, TaskStore)> {
+        let db = LocalDynamo::start().await?;
+        let store = db.fresh_store().await?;
+        Ok((db, store))
+    }
+
+    /// A task just recorded (submitting), created at t=1 s with its deadline at t=600 s.
+    async fn submitting(store: &TaskStore, kind: CaptchaKind) -> Task {
         let task = Task::new(TaskRef::generate(), kind, t(1_000));
         store.create(&task, t(600_000)).await.expect("create");
+        task
+    }
+
+    async fn pending(store: &TaskStore, kind: CaptchaKind) -> Task {
+        let task = submitting(store, kind).await;
         match store.mark_submitted(&task.task_ref, &id("42"), t(2_000), t(122_000)).await.expect("submit") {
             SubmitRecorded::Pending(task) => task,
             other => panic!("expected pending, got {other:?}"),
@@ -709,10 +722,8 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread")]
     async fn a_task_is_created_submitted_and_read_back() -> anyhow::Result<()> {
-        let db = LocalDynamo::start().await?;
-        let store = db.fresh_store().await?;
-        let task = Task::new(TaskRef::generate(), CaptchaKind::Turnstile, t(1_000));
-        store.create(&task, t(600_000)).await?;
+        let (_db, store) = engine().await?;
+        let task = submitting(&store, CaptchaKind::Turnstile).await;
         assert_eq!(store.get(&task.task_ref).await?, Some(task.clone()));
         assert!(store.create(&task, t(1)).await.is_err(), "a reference is never created twice");
         let SubmitRecorded::Pending(p) = store.mark_submitted(&task.task_ref, &id("42"), t(2_000), t(122_000)).await?
@@ -730,8 +741,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread")]
     async fn first_result_is_written_and_repeats_are_classified_without_writing() -> anyhow::Result<()> {
-        let db = LocalDynamo::start().await?;
-        let store = db.fresh_store().await?;
+        let (_db, store) = engine().await?;
         let task = pending(&store, CaptchaKind::RecaptchaV2).await;
         let r = &task.task_ref;
 
@@ -764,8 +774,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread")]
     async fn wrong_id_and_unknown_reference_write_nothing() -> anyhow::Result<()> {
-        let db = LocalDynamo::start().await?;
-        let store = db.fresh_store().await?;
+        let (_db, store) = engine().await?;
         let task = pending(&store, CaptchaKind::Image).await;
         let before = raw(&store, &task.task_ref).await;
         let got = store.record_result(&task.task_ref, &delivery("99", solved("x"), 5_000)).await?;
@@ -779,10 +788,8 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread")]
     async fn callback_that_outruns_the_submit_wins_and_the_submit_leaves_it() -> anyhow::Result<()> {
-        let db = LocalDynamo::start().await?;
-        let store = db.fresh_store().await?;
-        let task = Task::new(TaskRef::generate(), CaptchaKind::Hcaptcha, t(1_000));
-        store.create(&task, t(600_000)).await?;
+        let (_db, store) = engine().await?;
+        let task = submitting(&store, CaptchaKind::Hcaptcha).await;
         let RecordOutcome::Recorded(_) =
             store.record_result(&task.task_ref, &delivery("42", solved("early"), 1_500)).await?
         else {
@@ -801,10 +808,8 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread")]
     async fn a_refused_submit_is_stored_as_failed_with_the_reason() -> anyhow::Result<()> {
-        let db = LocalDynamo::start().await?;
-        let store = db.fresh_store().await?;
-        let task = Task::new(TaskRef::generate(), CaptchaKind::Image, t(1_000));
-        store.create(&task, t(600_000)).await?;
+        let (_db, store) = engine().await?;
+        let task = submitting(&store, CaptchaKind::Image).await;
         let failed =
             store.mark_submit_failed(&task.task_ref, "ERROR_ZERO_CAPTCHA_FILESIZE", "in.php refused", t(1_100)).await?;
         assert!(
@@ -816,8 +821,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread")]
     async fn due_index_lists_only_open_tasks() -> anyhow::Result<()> {
-        let db = LocalDynamo::start().await?;
-        let store = db.fresh_store().await?;
+        let (_db, store) = engine().await?;
         let open = pending(&store, CaptchaKind::Image).await;
         let done = pending(&store, CaptchaKind::Image).await;
         store.record_result(&done.task_ref, &delivery("42", solved("x"), 3_000)).await?;
@@ -828,8 +832,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread")]
     async fn fifty_concurrent_deliveries_write_exactly_once() -> anyhow::Result<()> {
-        let db = LocalDynamo::start().await?;
-        let store = db.fresh_store().await?;
+        let (_db, store) = engine().await?;
         for tokens in [vec!["same"], vec!["first", "second"]] {
             let task = pending(&store, CaptchaKind::Turnstile).await;
             let mut handles = Vec::new();
