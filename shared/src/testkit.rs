@@ -70,13 +70,57 @@ impl LocalDynamo {
 
 /// An SDK client for a local endpoint with dummy credentials.
 pub fn client_for(endpoint: &str) -> Client {
-    let conf = aws_sdk_dynamodb::Config::builder()
+    Client::from_conf(config_for(endpoint).build())
+}
+
+fn config_for(endpoint: &str) -> aws_sdk_dynamodb::config::Builder {
+    aws_sdk_dynamodb::Config::builder()
         .behavior_version(BehaviorVersion::latest())
         .region(Region::new("us-east-1"))
         .credentials_provider(Credentials::new("test", "test", None, None, "relay-testkit"))
         .endpoint_url(endpoint)
-        .build();
-    Client::from_conf(conf)
+}
+
+/// Counts the DynamoDB operations a client sends, by name (`Query`, `Scan`, `UpdateItem`…),
+/// so tests can assert what the code under test asked of the table.
+#[derive(Debug, Clone, Default)]
+pub struct OperationCounter(std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, u64>>>);
+
+impl OperationCounter {
+    /// How many times `operation` was sent.
+    pub fn count(&self, operation: &str) -> u64 {
+        self.0.lock().map(|m| m.get(operation).copied().unwrap_or(0)).unwrap_or(0)
+    }
+}
+
+impl aws_sdk_dynamodb::config::Intercept for OperationCounter {
+    fn name(&self) -> &'static str {
+        "OperationCounter"
+    }
+
+    fn read_before_transmit(
+        &self,
+        ctx: &aws_sdk_dynamodb::config::interceptors::BeforeTransmitInterceptorContextRef<'_>,
+        _rc: &aws_sdk_dynamodb::config::RuntimeComponents,
+        _cfg: &mut aws_sdk_dynamodb::config::ConfigBag,
+    ) -> Result<(), aws_sdk_dynamodb::error::BoxError> {
+        // DynamoDB names the operation in `X-Amz-Target: DynamoDB_20120810.<Operation>`.
+        let target = ctx.request().headers().get("x-amz-target").unwrap_or_default();
+        if let Some((_, op)) = target.split_once('.')
+            && let Ok(mut m) = self.0.lock()
+        {
+            *m.entry(op.to_owned()).or_default() += 1;
+        }
+        Ok(())
+    }
+}
+
+impl LocalDynamo {
+    /// A client that counts the operations it sends.
+    pub fn counting_client(&self) -> (Client, OperationCounter) {
+        let counter = OperationCounter::default();
+        (Client::from_conf(config_for(&self.endpoint).interceptor(counter.clone()).build()), counter)
+    }
 }
 
 /// Builds a Lambda HTTP request from a real API Gateway v2 (HTTP API) event, as the runtime

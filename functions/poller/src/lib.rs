@@ -199,29 +199,20 @@ pub async fn poll_once(deps: &Deps, now: Timestamp, stop_at: Instant) -> TickRep
                     continue 'shards;
                 }
             };
-            for due in page.tasks {
-                report.due += 1;
-                let r = &due.task.task_ref;
-                let res = match decide(&due, now, s) {
-                    Decision::Expire(reason) => deps.store.expire(r, &reason, now).await.map(|done| {
-                        if done {
-                            tracing::info!(event = "task_expired", task_ref = %r, reason);
-                            report.expired += 1;
-                        }
-                    }),
-                    Decision::Wait { until } => deps.store.claim(&due, &deps.owner, until).await.map(|_| ()),
-                    Decision::Read(id) => deps.store.claim(&due, &deps.owner, now.plus(s.lease)).await.map(|won| {
-                        if won {
-                            report.claimed += 1;
-                            claimed.push((due.clone(), id));
-                        } else {
-                            report.lost_claims += 1;
-                        }
-                    }),
-                };
-                if let Err(e) = res {
-                    tracing::error!(event = "poll_store_failed", task_ref = %r, error = %e);
-                    report.errors += 1;
+            report.due += page.tasks.len() as u64;
+            for (due, triage) in triage_page(deps, now, page.tasks).await {
+                match triage {
+                    Ok(Triage::Claimed(id)) => {
+                        report.claimed += 1;
+                        claimed.push((due, id));
+                    }
+                    Ok(Triage::LostClaim) => report.lost_claims += 1,
+                    Ok(Triage::Expired) => report.expired += 1,
+                    Ok(Triage::Waiting) => {}
+                    Err(e) => {
+                        tracing::error!(event = "poll_store_failed", task_ref = %due.task.task_ref, error = %e);
+                        report.errors += 1;
+                    }
                 }
             }
             match page.next {
@@ -235,6 +226,57 @@ pub async fn poll_once(deps: &Deps, now: Timestamp, stop_at: Instant) -> TickRep
     apply_all(deps, now, answers, &mut report).await;
     tracing::info!(event = "poll_tick", report = ?report, "poller tick done");
     report
+}
+
+/// What became of one listed task before any read.
+enum Triage {
+    Claimed(CaptchaId),
+    LostClaim,
+    Expired,
+    Waiting,
+}
+
+/// Expires, parks or claims each task of a page, several at once.
+async fn triage_page(
+    deps: &Deps,
+    now: Timestamp,
+    tasks: Vec<DueTask>,
+) -> Vec<(DueTask, Result<Triage, relay_shared::store::StoreError>)> {
+    let sem = Arc::new(Semaphore::new(deps.settings.concurrency.max(1)));
+    let mut set = tokio::task::JoinSet::new();
+    for due in tasks {
+        let (deps, sem) = (deps.clone(), sem.clone());
+        set.spawn(async move {
+            let _permit = sem.acquire_owned().await;
+            let s = &deps.settings;
+            let r = &due.task.task_ref;
+            let res = match decide(&due, now, s) {
+                Decision::Expire(reason) => deps.store.expire(r, &reason, now).await.map(|done| {
+                    if done {
+                        tracing::info!(event = "task_expired", task_ref = %r, reason);
+                        Triage::Expired
+                    } else {
+                        Triage::LostClaim
+                    }
+                }),
+                Decision::Wait { until } => deps.store.claim(&due, &deps.owner, until).await.map(|_| Triage::Waiting),
+                Decision::Read(id) => deps
+                    .store
+                    .claim(&due, &deps.owner, now.plus(s.lease))
+                    .await
+                    .map(|won| if won { Triage::Claimed(id) } else { Triage::LostClaim }),
+            };
+            (due, res)
+        });
+    }
+    let mut out = Vec::new();
+    while let Some(r) = set.join_next().await {
+        match r {
+            Ok(pair) => out.push(pair),
+            Err(e) => tracing::error!(event = "poll_triage_panicked", error = %e),
+        }
+    }
+    out
 }
 
 type Answer = (DueTask, Result<ResAnswer, CaptchaAiError>);

@@ -10,14 +10,14 @@ use relay_poller::{Deps, PollerSettings, TickReport, poll_once};
 use relay_shared::captchaai::CaptchaAiClient;
 use relay_shared::domain::{CaptchaId, CaptchaKind, Task, TaskRef, TaskState, Via};
 use relay_shared::store::{RecordOutcome, SubmitRecorded, TaskStore};
-use relay_shared::testkit::LocalDynamo;
+use relay_shared::testkit::{LocalDynamo, OperationCounter};
 use relay_shared::time::{Clock, ManualClock, Timestamp};
 use secrecy::SecretString;
 
 const KEY: &str = "poller-test-key";
 
 struct World {
-    _db: LocalDynamo,
+    db: LocalDynamo,
     fake: FakeCaptchaAi,
     store: TaskStore,
     clock: ManualClock,
@@ -39,7 +39,7 @@ async fn world(cfg: FakeConfig) -> anyhow::Result<World> {
     let clock = ManualClock::at(Timestamp::from_millis(1_796_210_146_000));
     let relay = Arc::new(Relay::new(LocalParts {
         store: store.clone(),
-        captchaai: client(&fake)?,
+        captchaai: client_for_fake(&fake)?,
         api_key: SecretString::from(KEY.to_owned()),
         signing_secret: SecretString::from("poller-signing".to_owned()),
         callback_base_url: base.clone(),
@@ -49,16 +49,28 @@ async fn world(cfg: FakeConfig) -> anyhow::Result<World> {
     tokio::spawn(relay_local::serve(listener, relay, async move {
         let _ = rx.await;
     }));
-    Ok(World { _db: db, fake, store, clock, base, http: reqwest::Client::new(), _stop: tx })
+    Ok(World { db, fake, store, clock, base, http: reqwest::Client::new(), _stop: tx })
 }
 
-fn client(fake: &FakeCaptchaAi) -> anyhow::Result<CaptchaAiClient> {
+fn client_for_fake(fake: &FakeCaptchaAi) -> anyhow::Result<CaptchaAiClient> {
     Ok(CaptchaAiClient::new(&fake.base_url(), SecretString::from(fake.api_key()), Duration::from_secs(5), None)?)
 }
 
 impl World {
     fn poller(&self, s: PollerSettings, owner: &str) -> anyhow::Result<Deps> {
-        Ok(Deps { store: self.store.clone(), captchaai: client(&self.fake)?, settings: s, owner: owner.into() })
+        Ok(Deps {
+            store: self.store.clone(),
+            captchaai: client_for_fake(&self.fake)?,
+            settings: s,
+            owner: owner.into(),
+        })
+    }
+
+    /// A poller whose DynamoDB client counts what it sends.
+    fn counted_poller(&self, s: PollerSettings, owner: &str) -> anyhow::Result<(Deps, OperationCounter)> {
+        let (client, counter) = self.db.counting_client();
+        let store = TaskStore::new(client, self.store.table(), Duration::from_secs(86_400));
+        Ok((Deps { store, captchaai: client_for_fake(&self.fake)?, settings: s, owner: owner.into() }, counter))
     }
 
     async fn tick(&self, d: &Deps) -> TickReport {
@@ -294,23 +306,33 @@ async fn overlapping_ticks_never_read_a_task_twice_and_crashed_claims_lapse() ->
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn two_thousand_due_tasks_are_all_processed_across_ticks_and_pages() -> anyhow::Result<()> {
-    const N: usize = 2_000;
+async fn ten_thousand_due_tasks_are_all_processed_across_ticks_and_pages() -> anyhow::Result<()> {
+    const N: usize = 10_000;
     let w = world(FakeConfig::default()).await?;
     let ids = w.fake.preload_solved(N);
     let now = w.clock.now();
-    let mut refs = Vec::with_capacity(ids.len());
-    for id in &ids {
-        let task = Task::new(TaskRef::generate(), CaptchaKind::Image, now);
-        w.store.create(&task, now).await?;
-        let SubmitRecorded::Pending(_) =
-            w.store.mark_submitted(&task.task_ref, &CaptchaId::parse(id)?, now, now).await?
-        else {
-            anyhow::bail!("not pending")
-        };
-        refs.push(task.task_ref);
+    // Recorded and submitted 32 at a time, as many API calls would.
+    let mut set = tokio::task::JoinSet::new();
+    let sem = Arc::new(tokio::sync::Semaphore::new(32));
+    for id in ids {
+        let (store, sem) = (w.store.clone(), sem.clone());
+        set.spawn(async move {
+            let _permit = sem.acquire_owned().await?;
+            let task = Task::new(TaskRef::generate(), CaptchaKind::Image, now);
+            store.create(&task, now).await?;
+            let SubmitRecorded::Pending(_) =
+                store.mark_submitted(&task.task_ref, &CaptchaId::parse(&id)?, now, now).await?
+            else {
+                anyhow::bail!("not pending")
+            };
+            anyhow::Ok(task.task_ref)
+        });
     }
-    let p = w.poller(PollerSettings { max_tasks_per_tick: 500, ..settings() }, "bulk")?;
+    let mut refs = Vec::with_capacity(N);
+    while let Some(r) = set.join_next().await {
+        refs.push(r??);
+    }
+    let (p, ops) = w.counted_poller(PollerSettings { max_tasks_per_tick: 2_500, ..settings() }, "bulk")?;
     let mut recovered = 0;
     let mut ticks = 0;
     while recovered < N as u64 && ticks < 10 {
@@ -320,6 +342,8 @@ async fn two_thousand_due_tasks_are_all_processed_across_ticks_and_pages() -> an
     }
     assert_eq!(recovered, N as u64);
     assert!(ticks >= 4, "bounded work per tick: {ticks} ticks");
+    assert_eq!(ops.count("Scan"), 0, "the poller never scans the table");
+    assert!(ops.count("Query") >= (N as u64) / 100, "paged through the index: {} queries", ops.count("Query"));
     let requests = w.fake.counts().res_php;
     assert!(
         requests <= (N as u64) / 100 + ticks,
