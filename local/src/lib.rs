@@ -44,7 +44,7 @@ impl Relay {
                 auth: relay_shared::http::Authorizer::api_key(&p.api_key),
                 clock: p.clock.clone(),
                 callback_base_url: Some(p.callback_base_url),
-                callback_grace: std::time::Duration::from_secs(120),
+                callback_grace: relay_shared::config::CallbackGrace::uniform(std::time::Duration::from_secs(120)),
                 submit_attempts: 3,
                 submit_backoff: std::time::Duration::from_millis(200),
             },

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use secrecy::SecretString;
 
+use crate::domain::CaptchaKind;
 use crate::secrets::SecretSource;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -137,6 +138,54 @@ impl CaptchaAiConfig {
     }
 }
 
+/// How long a callback gets before the poller reads res.php: one default, overridable per
+/// captcha kind (`CALLBACK_GRACE_SECS_TURNSTILE=60`, …). Never under the protocol's 5 s.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CallbackGrace {
+    default: Duration,
+    per_kind: Vec<(CaptchaKind, Duration)>,
+}
+
+impl CallbackGrace {
+    pub const MIN: Duration = Duration::from_secs(5);
+
+    pub fn uniform(d: Duration) -> Self {
+        Self { default: d.max(Self::MIN), per_kind: Vec::new() }
+    }
+
+    #[must_use]
+    pub fn with(mut self, kind: CaptchaKind, d: Duration) -> Self {
+        self.per_kind.retain(|(k, _)| *k != kind);
+        self.per_kind.push((kind, d.max(Self::MIN)));
+        self
+    }
+
+    pub fn for_kind(&self, kind: CaptchaKind) -> Duration {
+        self.per_kind.iter().find(|(k, _)| *k == kind).map_or(self.default, |(_, d)| *d)
+    }
+
+    pub fn from_settings(s: &Settings) -> Result<Self, ConfigError> {
+        let secs = |name: &str, default: u64| -> Result<Duration, ConfigError> {
+            let v: u64 = s.parse_or(name, default)?;
+            if Duration::from_secs(v) < Self::MIN {
+                return Err(ConfigError::Invalid {
+                    name: name.to_owned(),
+                    reason: "must be at least 5 seconds".into(),
+                });
+            }
+            Ok(Duration::from_secs(v))
+        };
+        let mut grace = Self::uniform(secs("CALLBACK_GRACE_SECS", 120)?);
+        for kind in CaptchaKind::ALL {
+            let name = format!("CALLBACK_GRACE_SECS_{}", kind.as_str().to_ascii_uppercase());
+            if s.optional(&name).is_some() {
+                grace = grace.with(kind, secs(&name, 0)?);
+            }
+        }
+        Ok(grace)
+    }
+}
+
 /// Who may call `/tasks`.
 #[derive(Debug, Clone)]
 pub enum AuthMode {
@@ -171,7 +220,7 @@ pub struct ApiConfig {
     /// own URL, taken from each request (the callback route is on the same API).
     pub callback_base_url: Option<String>,
     /// How long a callback gets before the poller asks res.php.
-    pub callback_grace: Duration,
+    pub callback_grace: CallbackGrace,
     /// Tries of in.php on transient errors before answering 503.
     pub submit_attempts: u32,
 }
@@ -188,7 +237,7 @@ impl ApiConfig {
             auth: AuthMode::from_settings(s)?,
             signing_secret: s.secret("CALLBACK_SIGNING_SECRET")?,
             callback_base_url: s.optional("CALLBACK_BASE_URL").map(|_| s.url("CALLBACK_BASE_URL")).transpose()?,
-            callback_grace: Duration::from_secs(s.parse_or("CALLBACK_GRACE_SECS", 120)?),
+            callback_grace: CallbackGrace::from_settings(s)?,
             submit_attempts,
         })
     }
@@ -227,7 +276,7 @@ mod tests {
         assert_eq!(c.store.retention, Duration::from_secs(7 * 86_400));
         assert_eq!(c.captchaai.base_url, "https://ocr.captchaai.com");
         assert_eq!(c.callback_base_url.as_deref(), Some("https://cb.example"));
-        assert_eq!(c.callback_grace, Duration::from_secs(120));
+        assert_eq!(c.callback_grace.for_kind(CaptchaKind::Turnstile), Duration::from_secs(120));
         assert!(matches!(c.auth, AuthMode::ApiKey(SecretSource::Inline(_))));
     }
 
@@ -253,6 +302,18 @@ mod tests {
         let c = ApiConfig::from_settings(&s).expect("valid");
         assert!(matches!(c.auth, AuthMode::Iam));
         assert!(matches!(&c.captchaai.api_key, SecretSource::SsmParameter(p) if p == "/relay/key"));
+    }
+
+    #[test]
+    fn callback_grace_is_overridable_per_kind() {
+        let c = ApiConfig::from_settings(
+            &full().with("CALLBACK_GRACE_SECS", "90").with("CALLBACK_GRACE_SECS_TURNSTILE", "30"),
+        )
+        .expect("valid");
+        assert_eq!(c.callback_grace.for_kind(CaptchaKind::Turnstile), Duration::from_secs(30));
+        assert_eq!(c.callback_grace.for_kind(CaptchaKind::RecaptchaV2), Duration::from_secs(90));
+        let err = ApiConfig::from_settings(&full().with("CALLBACK_GRACE_SECS_IMAGE", "2")).expect_err("too short");
+        assert!(err.to_string().contains("CALLBACK_GRACE_SECS_IMAGE"), "{err}");
     }
 
     #[test]

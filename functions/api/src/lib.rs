@@ -32,8 +32,8 @@ pub struct Deps {
     /// Public base URL of the callback route. `None`: the API's own URL, read from the
     /// request (the callback route lives on the same HTTP API).
     pub callback_base_url: Option<String>,
-    /// How long a callback gets before the poller asks res.php.
-    pub callback_grace: Duration,
+    /// How long a callback gets before the poller asks res.php, per kind.
+    pub callback_grace: relay_shared::config::CallbackGrace,
     /// Tries of in.php on transient errors.
     pub submit_attempts: u32,
     /// First backoff between tries (doubles, capped at 4 s).
@@ -135,7 +135,8 @@ async fn submit(req: &Request, deps: &Deps) -> Result<Response<Body>, Response<B
 
     // Recorded before in.php hears of it. If in.php's answer is never stored, the poller
     // expires the task at this deadline.
-    let deadline = now.plus(deps.callback_grace + kind.max_solve_time());
+    let grace = deps.callback_grace.for_kind(kind);
+    let deadline = now.plus(grace + kind.max_solve_time());
     deps.store.create(&task, deadline).await.map_err(|e| store_unavailable(&e))?;
 
     let Some(base) = callback_base(req, deps) else {
@@ -148,7 +149,7 @@ async fn submit(req: &Request, deps: &Deps) -> Result<Response<Body>, Response<B
         match deps.captchaai.submit(&submit, &pingback).await {
             Ok(id) => {
                 let at = deps.clock.now();
-                return match deps.store.mark_submitted(&task_ref, &id, at, at.plus(deps.callback_grace)).await {
+                return match deps.store.mark_submitted(&task_ref, &id, at, at.plus(grace)).await {
                     Ok(SubmitRecorded::Pending(t) | SubmitRecorded::AlreadyResolved(t)) => {
                         tracing::info!(event = "task_submitted", captcha_id = %id, attempts = attempt, "in.php accepted the task");
                         Ok(json(202, &t.view(deps.clock.now())))
@@ -269,7 +270,8 @@ mod tests {
             auth: Authorizer::api_key(&SecretString::from(KEY.to_owned())),
             clock: Arc::new(clock.clone()),
             callback_base_url: Some("http://127.0.0.1:9".into()),
-            callback_grace: Duration::from_secs(120),
+            callback_grace: relay_shared::config::CallbackGrace::uniform(Duration::from_secs(120))
+                .with(relay_shared::domain::CaptchaKind::Image, Duration::from_secs(30)),
             submit_attempts: 3,
             submit_backoff: Duration::from_millis(5),
         };
@@ -337,6 +339,29 @@ mod tests {
         let sent = w.fake.task(b["captcha_id"].as_str().unwrap_or_default()).expect("sent");
         let want = deps.signer.callback_url("https://abc123.execute-api.eu-west-1.amazonaws.com", &task_ref);
         assert_eq!(sent.pingback, Some(want));
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn the_first_poll_waits_the_grace_of_the_tasks_kind() -> anyhow::Result<()> {
+        let w = world(FakeConfig::default()).await?;
+        let image = body(&w.call(post(r#"{"kind":"image","body":"iVBORw0KGgo="}"#)).await)["task_ref"].clone();
+        let turnstile = body(&w.call(post(TURNSTILE)).await)["task_ref"].clone();
+        let due_at = |secs: u64| {
+            let (store, at) = (w.deps.store.clone(), w.clock.now().plus(Duration::from_secs(secs)));
+            async move {
+                let mut refs = Vec::new();
+                for shard in 0..relay_shared::store::POLL_SHARDS {
+                    let page = store.due_page(shard, at, 100, None).await.expect("query");
+                    refs.extend(page.tasks.into_iter().map(|d| serde_json::json!(d.task.task_ref.to_string())));
+                }
+                refs
+            }
+        };
+        assert!(due_at(29).await.is_empty());
+        assert_eq!(due_at(30).await, vec![image.clone()], "image grace is 30 s here");
+        let both = due_at(120).await;
+        assert!(both.contains(&image) && both.contains(&turnstile), "{both:?}");
         Ok(())
     }
 

@@ -79,6 +79,10 @@ impl World {
 
     /// Submits `n` Turnstile tasks through the API; returns (task ref, CaptchaAI id).
     async fn submit(&self, n: usize) -> anyhow::Result<Vec<(TaskRef, String)>> {
+        self.submit_body(n, r#"{"kind":"turnstile","sitekey":"0x4","pageurl":"https://a.example"}"#).await
+    }
+
+    async fn submit_body(&self, n: usize, body: &str) -> anyhow::Result<Vec<(TaskRef, String)>> {
         let mut out = Vec::new();
         for _ in 0..n {
             let v: serde_json::Value = self
@@ -86,7 +90,7 @@ impl World {
                 .post(format!("{}/tasks", self.base))
                 .bearer_auth(KEY)
                 .header("content-type", "application/json")
-                .body(r#"{"kind":"turnstile","sitekey":"0x4","pageurl":"https://a.example"}"#)
+                .body(body.to_owned())
                 .send()
                 .await?
                 .json()
@@ -379,5 +383,24 @@ async fn a_tick_without_time_left_stops_cleanly_and_leaves_the_work() -> anyhow:
     assert_eq!((late.claimed, late.res_php_requests), (0, 0));
     assert_eq!(w.tick(&p).await.recovered, 5, "the next tick does the work");
     assert!(matches!(w.state(&tasks[0].0).await, TaskState::Solved { .. }));
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_solution_recovered_after_its_lifetime_is_stored_but_reported_expired() -> anyhow::Result<()> {
+    let w = world(FakeConfig { drop_callbacks: 1.0, ..FakeConfig::default() }).await?;
+    let recaptcha = r#"{"kind":"recaptcha_v2","sitekey":"6Le","pageurl":"https://a.example"}"#;
+    let tasks = w.submit_body(1, recaptcha).await?;
+    w.settle().await;
+    // reCAPTCHA tokens live 120 s and res.php cannot say when it was solved: by the first poll
+    // (grace 120 s + 1 s) the token may be older than its lifetime.
+    w.clock.advance(Duration::from_secs(121));
+    assert_eq!(w.tick(&w.poller(settings(), "p1")?).await.recovered, 1);
+    assert!(matches!(w.state(&tasks[0].0).await, TaskState::Solved { via: Via::Poll, .. }), "stored as solved");
+    let seen: serde_json::Value =
+        w.http.get(format!("{}/tasks/{}", w.base, tasks[0].0)).bearer_auth(KEY).send().await?.json().await?;
+    assert_eq!(seen["status"], "expired", "{seen}");
+    assert!(seen.get("solution").is_none(), "a stale token is not handed out: {seen}");
+    assert_eq!(seen["resolved_via"], "poll");
     Ok(())
 }
