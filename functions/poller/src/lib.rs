@@ -155,6 +155,19 @@ pub fn decide(due: &DueTask, now: Timestamp, s: &PollerSettings) -> Decision {
     }
 }
 
+/// The Lambda entry point: one tick per scheduled invocation, stopping before the
+/// invocation's deadline. The schedule's payload carries nothing the tick needs.
+pub async fn handle(
+    event: lambda_runtime::LambdaEvent<serde_json::Value>,
+    deps: &Deps,
+    clock: &dyn relay_shared::time::Clock,
+) -> Result<TickReport, lambda_runtime::Error> {
+    let now = clock.now();
+    // The context's deadline is wall-clock epoch ms; turn it into a monotonic instant.
+    let left = Duration::from_millis(event.context.deadline.saturating_sub(now.as_millis()));
+    Ok(poll_once(deps, now, Instant::now() + left).await)
+}
+
 /// Spaces requests at least `1/rps` apart, across all tasks of the tick.
 struct RateLimiter {
     interval: Duration,
@@ -224,7 +237,24 @@ pub async fn poll_once(deps: &Deps, now: Timestamp, stop_at: Instant) -> TickRep
 
     let answers = read_all(deps, &claimed, &mut report).await;
     apply_all(deps, now, answers, &mut report).await;
-    tracing::info!(event = "poll_tick", report = ?report, "poller tick done");
+    tracing::info!(
+        event = "poll_tick",
+        due = report.due,
+        claimed = report.claimed,
+        polled = report.polled,
+        recovered = report.recovered,
+        not_ready = report.not_ready,
+        failed = report.failed,
+        expired = report.expired,
+        transient = report.transient,
+        already_resolved = report.already_resolved,
+        lost_claims = report.lost_claims,
+        res_php_requests = report.res_php_requests,
+        errors = report.errors,
+        batch_rejected = report.batch_rejected,
+        stopped_early = report.stopped_early,
+        "poller tick done"
+    );
     report
 }
 

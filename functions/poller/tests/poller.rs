@@ -404,3 +404,25 @@ async fn a_solution_recovered_after_its_lifetime_is_stored_but_reported_expired(
     assert_eq!(seen["resolved_via"], "poll");
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_scheduler_invocation_runs_one_tick_within_its_deadline() -> anyhow::Result<()> {
+    let w = world(FakeConfig { drop_callbacks: 1.0, ..FakeConfig::default() }).await?;
+    w.submit_past_grace(3).await?;
+    let p = w.poller(settings(), "lambda")?;
+    let payload: serde_json::Value = serde_json::from_str(include_str!("fixtures/scheduler-event.json"))?;
+    let mut ctx = lambda_runtime::Context::default();
+    ctx.deadline = w.clock.now().as_millis() + 55_000;
+    let report = relay_poller::handle(lambda_runtime::LambdaEvent::new(payload.clone(), ctx.clone()), &p, &w.clock)
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    assert_eq!((report.recovered, report.stopped_early), (3, false), "{report:?}");
+    // An invocation whose deadline is already (nearly) past does no work.
+    w.submit_past_grace(2).await?;
+    ctx.deadline = w.clock.now().as_millis() + 1_000;
+    let late = relay_poller::handle(lambda_runtime::LambdaEvent::new(payload, ctx), &p, &w.clock)
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    assert!(late.stopped_early && late.res_php_requests == 0, "{late:?}");
+    Ok(())
+}
