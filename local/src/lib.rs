@@ -31,6 +31,8 @@ pub struct LocalParts {
     /// Where CaptchaAI reaches this relay's `/callback/…`.
     pub callback_base_url: String,
     pub clock: Arc<dyn relay_shared::time::Clock>,
+    /// Where results that cannot be stored go.
+    pub dead_letters: Arc<dyn relay_shared::deadletter::DeadLetterSink>,
 }
 
 impl Relay {
@@ -48,7 +50,7 @@ impl Relay {
                 submit_attempts: 3,
                 submit_backoff: std::time::Duration::from_millis(200),
             },
-            callback: relay_callback::Deps { store: p.store, signer, clock: p.clock },
+            callback: relay_callback::Deps { store: p.store, signer, clock: p.clock, dead_letters: p.dead_letters },
         }
     }
 }

@@ -39,6 +39,7 @@ async fn start(cfg: FakeConfig) -> anyhow::Result<Running> {
         signing_secret: SecretString::from("e2e-signing".to_owned()),
         callback_base_url: base.clone(),
         clock: Arc::new(SystemClock),
+        dead_letters: Arc::new(relay_shared::testkit::MemorySink::default()),
     }));
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     tokio::spawn(relay_local::serve(listener, relay, async move {

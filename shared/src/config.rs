@@ -248,11 +248,17 @@ impl ApiConfig {
 pub struct CallbackConfig {
     pub store: StoreConfig,
     pub signing_secret: SecretSource,
+    /// SQS queue for results that could not be stored.
+    pub dead_letter_queue_url: String,
 }
 
 impl CallbackConfig {
     pub fn from_settings(s: &Settings) -> Result<Self, ConfigError> {
-        Ok(Self { store: StoreConfig::from_settings(s)?, signing_secret: s.secret("CALLBACK_SIGNING_SECRET")? })
+        Ok(Self {
+            store: StoreConfig::from_settings(s)?,
+            signing_secret: s.secret("CALLBACK_SIGNING_SECRET")?,
+            dead_letter_queue_url: s.url("DEAD_LETTER_QUEUE_URL")?,
+        })
     }
 }
 

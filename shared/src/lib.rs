@@ -4,6 +4,7 @@
 pub mod captchaai;
 pub mod codes;
 pub mod config;
+pub mod deadletter;
 pub mod domain;
 pub mod http;
 pub mod retry;

@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use lambda_http::{Body, Request, Response};
 use relay_shared::codes::{CodeClass, ErrorCode, classify, is_error_code};
+use relay_shared::deadletter::{DeadLetter, DeadLetterSink, SqsQueue};
 use relay_shared::domain::{CaptchaId, Delivery, Outcome, Solution, TaskRef, Via};
 use relay_shared::http::{json, path_segments, problem, query_string, with_header};
 use relay_shared::signing::CallbackSigner;
@@ -24,6 +25,8 @@ pub struct Deps {
     pub store: TaskStore,
     pub signer: CallbackSigner,
     pub clock: Arc<dyn Clock>,
+    /// Where a result goes when it cannot be stored.
+    pub dead_letters: Arc<dyn DeadLetterSink>,
 }
 
 impl Deps {
@@ -40,6 +43,7 @@ impl Deps {
             store: TaskStore::from_config(&aws, &cfg.store),
             signer: CallbackSigner::new(secret),
             clock: Arc::new(relay_shared::time::SystemClock),
+            dead_letters: Arc::new(SqsQueue::new(aws_sdk_sqs::Client::new(&aws), cfg.dead_letter_queue_url)),
         })
     }
 }
@@ -165,8 +169,19 @@ async fn handle_inner(req: Request, deps: &Deps) -> Result<Response<Body>, Respo
             Err(problem(404, "unknown_task", "no such task"))
         }
         Err(e) => {
-            tracing::error!(event = "callback_store_failed", error = %e, retryable = e.is_retryable(), "could not record the result");
-            Err(problem(503, "store_unavailable", "the result could not be stored; deliver it again later"))
+            // Our failure, not the delivery's: keep the whole delivery on the dead-letter queue
+            // and tell CaptchaAI it arrived. Only if that fails too does the sender hear 5xx.
+            let letter = DeadLetter::new(&task_ref, &delivery, &e.to_string(), 1);
+            match deps.dead_letters.send(&letter).await {
+                Ok(()) => {
+                    tracing::warn!(event = "callback_dead_lettered", error = %e, "store failed; result kept as a dead letter");
+                    Ok(json(200, &serde_json::json!({ "outcome": "dead_lettered" })))
+                }
+                Err(q) => {
+                    tracing::error!(event = "callback_not_stored", store_error = %e, queue_error = %q, "store and dead-letter queue both failed; the poller will recover the result");
+                    Err(problem(503, "store_unavailable", "the result could not be stored; deliver it again later"))
+                }
+            }
         }
     }
 }
@@ -176,7 +191,7 @@ mod tests {
     use super::*;
     use relay_shared::domain::{CaptchaKind, Task, TaskState};
     use relay_shared::store::SubmitRecorded;
-    use relay_shared::testkit::{ApiGatewayEvent, LocalDynamo};
+    use relay_shared::testkit::{ApiGatewayEvent, FlakyDynamo, LocalDynamo, MemorySink};
     use relay_shared::time::{ManualClock, Timestamp};
     use secrecy::SecretString;
 
@@ -191,6 +206,7 @@ mod tests {
             store: db.fresh_store().await?,
             signer: CallbackSigner::new(SecretString::from("test-signing-secret".to_owned())),
             clock: Arc::new(ManualClock::at(Timestamp::from_millis(1_796_210_146_000))),
+            dead_letters: Arc::new(MemorySink::default()),
         };
         Ok(World { _db: db, deps })
     }
@@ -360,9 +376,34 @@ mod tests {
     }
 
     #[tokio::test(flavor = "multi_thread")]
-    async fn a_store_failure_is_a_5xx_not_a_lost_200() -> anyhow::Result<()> {
+    async fn a_store_failure_becomes_a_dead_letter_and_a_200() -> anyhow::Result<()> {
         let w = world().await?;
         let r = w.pending_task().await?;
+        let flaky = FlakyDynamo::start(&w._db.endpoint).await?;
+        let sink = MemorySink::default();
+        let deps =
+            Deps { store: flaky.store(w.deps.store.table()), dead_letters: Arc::new(sink.clone()), ..w.deps.clone() };
+        flaky.set_failing(true);
+        let resp = respond(ApiGatewayEvent::new("GET", &w.path(&r)).query("id=777&code=tok-dl").build(), &deps).await;
+        assert_eq!((resp.status().as_u16(), text(&resp).contains("dead_lettered")), (200, true), "{}", text(&resp));
+        assert!(flaky.calls_failed() >= 1, "the store really failed");
+        let letters = sink.taken();
+        assert_eq!(letters.len(), 1);
+        assert_eq!(
+            (letters[0].task_ref.as_str(), letters[0].captcha_id.as_str(), letters[0].code.as_str()),
+            (r.as_ref(), "777", "tok-dl")
+        );
+        assert!(letters[0].error.contains("unavailable"), "{}", letters[0].error);
+        assert!(matches!(w.state(&r).await, TaskState::Pending { .. }), "nothing written yet");
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn store_and_queue_failing_together_is_a_5xx() -> anyhow::Result<()> {
+        let w = world().await?;
+        let r = w.pending_task().await?;
+        let sink = MemorySink::default();
+        sink.fail.store(true, std::sync::atomic::Ordering::SeqCst);
         // Nothing listens on port 9 of loopback: every store call fails at the transport.
         let broken = Deps {
             store: TaskStore::new(
@@ -370,10 +411,12 @@ mod tests {
                 "tasks",
                 std::time::Duration::from_secs(60),
             ),
+            dead_letters: Arc::new(sink.clone()),
             ..w.deps.clone()
         };
         let resp = respond(ApiGatewayEvent::new("GET", &w.path(&r)).query("id=777&code=tok").build(), &broken).await;
         assert_eq!(resp.status(), 503);
+        assert!(sink.taken().is_empty());
         Ok(())
     }
 }

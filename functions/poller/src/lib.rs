@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use relay_shared::captchaai::{CaptchaAiClient, CaptchaAiError, ResAnswer};
 use relay_shared::codes::{CodeClass, retry_after_secs};
+use relay_shared::deadletter::{DeadLetter, DeadLetterSink, SqsQueue};
 use relay_shared::domain::{CaptchaId, Delivery, Outcome, Via};
 use relay_shared::store::{DueTask, POLL_SHARDS, RecordOutcome, TaskStore};
 use relay_shared::time::Timestamp;
@@ -66,6 +67,8 @@ pub struct Deps {
     pub settings: PollerSettings,
     /// This poller instance's name on its claims.
     pub owner: String,
+    /// Where a result goes that was read but could not be stored.
+    pub dead_letters: Arc<dyn DeadLetterSink>,
 }
 
 impl Deps {
@@ -95,6 +98,7 @@ impl Deps {
             captchaai: CaptchaAiClient::new(&cai.base_url, key, cai.timeout.min(Duration::from_secs(10)), None)?,
             settings,
             owner: format!("poller-{}", uuid::Uuid::new_v4().simple()),
+            dead_letters: Arc::new(SqsQueue::new(aws_sdk_sqs::Client::new(&aws), env.url("DEAD_LETTER_QUEUE_URL")?)),
         })
     }
 }
@@ -111,6 +115,7 @@ pub struct TickReport {
     pub expired: u64,
     pub transient: u64,
     pub already_resolved: u64,
+    pub dead_lettered: u64,
     pub lost_claims: u64,
     pub res_php_requests: u64,
     pub errors: u64,
@@ -248,6 +253,7 @@ pub async fn poll_once(deps: &Deps, now: Timestamp, stop_at: Instant) -> TickRep
         expired = report.expired,
         transient = report.transient,
         already_resolved = report.already_resolved,
+        dead_lettered = report.dead_lettered,
         lost_claims = report.lost_claims,
         res_php_requests = report.res_php_requests,
         errors = report.errors,
@@ -371,6 +377,7 @@ enum Applied {
     NotReady,
     Transient,
     AlreadyResolved,
+    DeadLettered,
     Error,
 }
 
@@ -391,6 +398,7 @@ async fn apply_all(deps: &Deps, now: Timestamp, answers: Vec<Answer>, report: &m
             Ok(Applied::NotReady) => report.not_ready += 1,
             Ok(Applied::Transient) => report.transient += 1,
             Ok(Applied::AlreadyResolved) => report.already_resolved += 1,
+            Ok(Applied::DeadLettered) => report.dead_lettered += 1,
             Ok(Applied::Error) | Err(_) => report.errors += 1,
         }
     }
@@ -420,9 +428,18 @@ async fn record(deps: &Deps, now: Timestamp, due: &DueTask, outcome: Outcome) ->
             Applied::Error
         }
         Err(e) => {
-            // The lease lapses and the next tick reads it again: nothing is lost.
-            tracing::error!(event = "poll_store_failed", task_ref = %r, error = %e);
-            Applied::Error
+            // Same path as the callback: keep the result as a dead letter. Should that fail too,
+            // the lease lapses and the next tick reads it again: nothing is lost either way.
+            match deps.dead_letters.send(&DeadLetter::new(r, &d, &e.to_string(), 1)).await {
+                Ok(()) => {
+                    tracing::warn!(event = "poll_dead_lettered", task_ref = %r, error = %e);
+                    Applied::DeadLettered
+                }
+                Err(q) => {
+                    tracing::error!(event = "poll_not_stored", task_ref = %r, store_error = %e, queue_error = %q);
+                    Applied::Error
+                }
+            }
         }
     }
 }

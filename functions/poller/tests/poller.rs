@@ -10,7 +10,7 @@ use relay_poller::{Deps, PollerSettings, TickReport, poll_once};
 use relay_shared::captchaai::CaptchaAiClient;
 use relay_shared::domain::{CaptchaId, CaptchaKind, Task, TaskRef, TaskState, Via};
 use relay_shared::store::{RecordOutcome, SubmitRecorded, TaskStore};
-use relay_shared::testkit::{LocalDynamo, OperationCounter};
+use relay_shared::testkit::{FlakyDynamo, LocalDynamo, MemorySink, OperationCounter};
 use relay_shared::time::{Clock, ManualClock, Timestamp};
 use secrecy::SecretString;
 
@@ -44,6 +44,7 @@ async fn world(cfg: FakeConfig) -> anyhow::Result<World> {
         signing_secret: SecretString::from("poller-signing".to_owned()),
         callback_base_url: base.clone(),
         clock: Arc::new(clock.clone()),
+        dead_letters: Arc::new(MemorySink::default()),
     }));
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     tokio::spawn(relay_local::serve(listener, relay, async move {
@@ -63,6 +64,7 @@ impl World {
             captchaai: client_for_fake(&self.fake)?,
             settings: s,
             owner: owner.into(),
+            dead_letters: Arc::new(MemorySink::default()),
         })
     }
 
@@ -70,7 +72,7 @@ impl World {
     fn counted_poller(&self, s: PollerSettings, owner: &str) -> anyhow::Result<(Deps, OperationCounter)> {
         let (client, counter) = self.db.counting_client();
         let store = TaskStore::new(client, self.store.table(), Duration::from_secs(86_400));
-        Ok((Deps { store, captchaai: client_for_fake(&self.fake)?, settings: s, owner: owner.into() }, counter))
+        Ok((Deps { store, ..self.poller(s, owner)? }, counter))
     }
 
     async fn tick(&self, d: &Deps) -> TickReport {
@@ -424,5 +426,33 @@ async fn a_scheduler_invocation_runs_one_tick_within_its_deadline() -> anyhow::R
         .await
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     assert!(late.stopped_early && late.res_php_requests == 0, "{late:?}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_result_the_poller_cannot_store_becomes_a_dead_letter() -> anyhow::Result<()> {
+    let w = world(FakeConfig { drop_callbacks: 1.0, ..FakeConfig::default() }).await?;
+    let tasks = w.submit_past_grace(3).await?;
+    let flaky = FlakyDynamo::start(&w.db.endpoint).await?;
+    let sink = MemorySink::default();
+    let mut p = w.poller(settings(), "p1")?;
+    p.store = flaky.store(w.store.table());
+    p.dead_letters = Arc::new(sink.clone());
+    // With the store down nothing can even be listed: the tick does nothing and says so.
+    flaky.set_failing(true);
+    let down = w.tick(&p).await;
+    assert_eq!((down.claimed, down.dead_lettered, down.errors), (0, 0, 4), "{down:?}");
+    flaky.set_failing(false);
+    // Listing and claiming work, but every write of a result fails.
+    flaky.set_failing_matching(Some(":solution"));
+    let got = w.tick(&p).await;
+    assert_eq!((got.claimed, got.dead_lettered, got.recovered), (3, 3, 0), "{got:?}");
+    let letters = sink.taken();
+    assert_eq!(letters.len(), 3);
+    for (r, id) in &tasks {
+        let l = letters.iter().find(|l| l.task_ref == r.as_ref()).expect("a letter per task");
+        assert_eq!((l.captcha_id.as_str(), l.via.as_str()), (id.as_str(), "poll"));
+        assert_eq!(Some(l.code.clone()), w.fake.task(id).and_then(|t| t.answer));
+    }
     Ok(())
 }

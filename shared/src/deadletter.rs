@@ -1,0 +1,291 @@
+//! Dead letters: a result that arrived but could not be stored, kept whole on a queue until
+//! the redrive function applies it through the same idempotent write.
+//!
+//! The message body is JSON, schema version 1:
+//!
+//! ```json
+//! {"schema_version":1,"task_ref":"tsk_…","captcha_id":"7100…","code":"<answer or ERROR_…>",
+//!  "received_at_ms":1796210146000,"received_at":"2026-12-02T11:15:46.000Z",
+//!  "token_clock_start_ms":1796210146000,"via":"callback","error":"task store unavailable: …",
+//!  "attempts":1}
+//! ```
+//!
+//! `code` carries the solution itself (the queue is encrypted at rest); never log a body.
+
+use std::fmt;
+
+use aws_sdk_sqs::Client;
+use serde::{Deserialize, Serialize};
+
+use crate::codes::{ErrorCode, is_error_code};
+use crate::domain::{CaptchaId, Delivery, Outcome, ParseError, Solution, TaskRef, Via};
+use crate::time::Timestamp;
+
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// One undelivered result, everything needed to apply it later.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeadLetter {
+    pub schema_version: u32,
+    pub task_ref: String,
+    pub captcha_id: String,
+    /// The pingback's `code` or res.php's answer: a solution or an error code.
+    pub code: String,
+    pub received_at_ms: u64,
+    pub received_at: String,
+    pub token_clock_start_ms: u64,
+    /// The path that brought it (`callback` or `poll`).
+    pub via: String,
+    /// Why it could not be stored.
+    pub error: String,
+    /// Store attempts so far (the SDK's own retries count as one).
+    pub attempts: u32,
+}
+
+impl fmt::Debug for DeadLetter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeadLetter")
+            .field("task_ref", &self.task_ref)
+            .field("captcha_id", &self.captcha_id)
+            .field(
+                "code",
+                &if is_error_code(&self.code) { self.code.clone() } else { crate::telemetry::redact(&self.code) },
+            )
+            .field("received_at", &self.received_at)
+            .field("via", &self.via)
+            .field("error", &self.error)
+            .field("attempts", &self.attempts)
+            .finish()
+    }
+}
+
+impl DeadLetter {
+    pub fn new(task_ref: &TaskRef, d: &Delivery, error: &str, attempts: u32) -> Self {
+        let code = match &d.outcome {
+            Outcome::Solved(s) => s.expose().to_owned(),
+            Outcome::Failed(c) => c.as_ref().to_owned(),
+        };
+        Self {
+            schema_version: SCHEMA_VERSION,
+            task_ref: task_ref.to_string(),
+            captcha_id: d.captcha_id.to_string(),
+            code,
+            received_at_ms: d.received_at.as_millis(),
+            received_at: d.received_at.to_rfc3339(),
+            token_clock_start_ms: d.token_clock_start.as_millis(),
+            via: d.via.as_str().to_owned(),
+            error: error.to_owned(),
+            attempts,
+        }
+    }
+
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    /// Parses a message body. Anything that does not parse is a permanent failure.
+    pub fn parse(body: &str) -> Result<Self, ParseError> {
+        let dl: Self = serde_json::from_str(body).map_err(|e| ParseError(format!("not a dead letter: {e}")))?;
+        if dl.schema_version != SCHEMA_VERSION {
+            return Err(ParseError(format!("unsupported dead-letter schema version {}", dl.schema_version)));
+        }
+        dl.delivery()?;
+        Ok(dl)
+    }
+
+    /// The task and the delivery to apply, re-applied by `via` (the redrive).
+    pub fn delivery_via(&self, via: Via) -> Result<(TaskRef, Delivery), ParseError> {
+        let (task_ref, mut d) = self.delivery()?;
+        d.via = via;
+        Ok((task_ref, d))
+    }
+
+    fn delivery(&self) -> Result<(TaskRef, Delivery), ParseError> {
+        let task_ref = TaskRef::parse(&self.task_ref)?;
+        let outcome = if is_error_code(&self.code) {
+            Outcome::Failed(ErrorCode::parse(&self.code)?)
+        } else {
+            Outcome::Solved(Solution::parse(&self.code)?)
+        };
+        Ok((
+            task_ref,
+            Delivery {
+                captcha_id: CaptchaId::parse(&self.captcha_id)?,
+                outcome,
+                received_at: Timestamp::from_millis(self.received_at_ms),
+                via: Via::parse(&self.via)?,
+                token_clock_start: Timestamp::from_millis(self.token_clock_start_ms),
+            },
+        ))
+    }
+}
+
+/// Why a queue call failed.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("queue unavailable: {0}")]
+pub struct QueueError(pub String);
+
+/// Where dead letters go. SQS on AWS; a file-backed queue in local mode.
+#[async_trait::async_trait]
+pub trait DeadLetterSink: Send + Sync + fmt::Debug {
+    async fn send(&self, letter: &DeadLetter) -> Result<(), QueueError>;
+}
+
+/// An SQS queue by URL.
+#[derive(Debug, Clone)]
+pub struct SqsQueue {
+    client: Client,
+    url: String,
+}
+
+/// A received message.
+#[derive(Debug, Clone)]
+pub struct Received {
+    pub message_id: String,
+    pub receipt_handle: String,
+    pub body: String,
+    pub receive_count: u32,
+}
+
+fn sqs_err<E: std::error::Error + 'static, R: fmt::Debug>(e: aws_sdk_sqs::error::SdkError<E, R>) -> QueueError {
+    QueueError(aws_sdk_sqs::error::DisplayErrorContext(&e).to_string())
+}
+
+impl SqsQueue {
+    pub fn new(client: Client, url: impl Into<String>) -> Self {
+        Self { client, url: url.into() }
+    }
+
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    pub async fn send_body(&self, body: &str) -> Result<String, QueueError> {
+        let out = self.client.send_message().queue_url(&self.url).message_body(body).send().await.map_err(sqs_err)?;
+        Ok(out.message_id.unwrap_or_default())
+    }
+
+    /// Receives up to `max` (≤ 10) messages, hidden for `visibility_secs`.
+    pub async fn receive(&self, max: i32, visibility_secs: i32, wait_secs: i32) -> Result<Vec<Received>, QueueError> {
+        let out = self
+            .client
+            .receive_message()
+            .queue_url(&self.url)
+            .max_number_of_messages(max.clamp(1, 10))
+            .visibility_timeout(visibility_secs)
+            .wait_time_seconds(wait_secs)
+            .message_system_attribute_names(aws_sdk_sqs::types::MessageSystemAttributeName::ApproximateReceiveCount)
+            .send()
+            .await
+            .map_err(sqs_err)?;
+        Ok(out
+            .messages
+            .unwrap_or_default()
+            .into_iter()
+            .map(|m| Received {
+                receive_count: m
+                    .attributes
+                    .as_ref()
+                    .and_then(|a| a.get(&aws_sdk_sqs::types::MessageSystemAttributeName::ApproximateReceiveCount))
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(0),
+                message_id: m.message_id.unwrap_or_default(),
+                receipt_handle: m.receipt_handle.unwrap_or_default(),
+                body: m.body.unwrap_or_default(),
+            })
+            .collect())
+    }
+
+    pub async fn delete(&self, receipt_handle: &str) -> Result<(), QueueError> {
+        self.client
+            .delete_message()
+            .queue_url(&self.url)
+            .receipt_handle(receipt_handle)
+            .send()
+            .await
+            .map_err(sqs_err)?;
+        Ok(())
+    }
+
+    /// Approximate number of visible messages.
+    pub async fn depth(&self) -> Result<u64, QueueError> {
+        let out = self
+            .client
+            .get_queue_attributes()
+            .queue_url(&self.url)
+            .attribute_names(aws_sdk_sqs::types::QueueAttributeName::ApproximateNumberOfMessages)
+            .send()
+            .await
+            .map_err(sqs_err)?;
+        Ok(out
+            .attributes
+            .and_then(|a| a.get(&aws_sdk_sqs::types::QueueAttributeName::ApproximateNumberOfMessages).cloned())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0))
+    }
+}
+
+#[async_trait::async_trait]
+impl DeadLetterSink for SqsQueue {
+    async fn send(&self, letter: &DeadLetter) -> Result<(), QueueError> {
+        self.send_body(&letter.to_json()).await.map(|_| ())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn delivery(code: &str) -> Delivery {
+        let outcome = if is_error_code(code) {
+            Outcome::Failed(ErrorCode::parse(code).expect("code"))
+        } else {
+            Outcome::Solved(Solution::parse(code).expect("token"))
+        };
+        Delivery {
+            captcha_id: CaptchaId::parse("71000001").expect("id"),
+            outcome,
+            received_at: Timestamp::from_millis(1_796_210_146_000),
+            via: Via::Callback,
+            token_clock_start: Timestamp::from_millis(1_796_210_146_000),
+        }
+    }
+
+    #[test]
+    fn a_dead_letter_round_trips_to_the_same_delivery() {
+        let r = TaskRef::generate();
+        for code in ["tok-secret", "ERROR_CAPTCHA_UNSOLVABLE"] {
+            let d = delivery(code);
+            let dl = DeadLetter::new(&r, &d, "task store unavailable", 1);
+            let back = DeadLetter::parse(&dl.to_json()).expect("parses");
+            assert_eq!(back, dl);
+            assert_eq!(
+                back.delivery_via(Via::Redrive).expect("valid"),
+                (r.clone(), Delivery { via: Via::Redrive, ..d })
+            );
+        }
+    }
+
+    #[test]
+    fn the_body_has_every_field_and_debug_hides_the_token() {
+        let dl = DeadLetter::new(&TaskRef::generate(), &delivery("tok-secret"), "boom", 2);
+        let v: serde_json::Value = serde_json::from_str(&dl.to_json()).expect("json");
+        for field in ["schema_version", "task_ref", "captcha_id", "code", "received_at", "error", "attempts", "via"] {
+            assert!(v.get(field).is_some(), "missing {field}");
+        }
+        assert!(!format!("{dl:?}").contains("tok-secret"));
+    }
+
+    #[test]
+    fn garbage_and_unknown_versions_do_not_parse() {
+        assert!(DeadLetter::parse("hello").is_err());
+        let mut v: serde_json::Value =
+            serde_json::from_str(&DeadLetter::new(&TaskRef::generate(), &delivery("t"), "e", 1).to_json())
+                .expect("json");
+        v["schema_version"] = 9.into();
+        assert!(DeadLetter::parse(&v.to_string()).is_err());
+        v["schema_version"] = 1.into();
+        v["task_ref"] = "nope".into();
+        assert!(DeadLetter::parse(&v.to_string()).is_err());
+    }
+}
