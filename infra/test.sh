@@ -1,13 +1,32 @@
 #!/usr/bin/env bash
 # THE test command: installs what the tests need (pinned) and runs every test and check.
 #   infra/test.sh
-# Everything it starts listens on 127.0.0.1 only; nothing is left running.
+# It starts a moto server (SQS) on 127.0.0.1 for the tests and stops it on exit; DynamoDB is
+# embedded in the tests themselves. Nothing listens beyond loopback, nothing is left running.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 infra/tools.sh
 
-echo "==> cargo test (unit, store against embedded DynamoDB, handlers, end to end over HTTP)"
+port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()')"
+echo "==> starting moto server (SQS) on 127.0.0.1:$port"
+.venv/bin/moto_server -H 127.0.0.1 -p "$port" > target/moto.log 2>&1 &
+moto_pid=$!
+trap 'kill "$moto_pid" 2>/dev/null; wait "$moto_pid" 2>/dev/null || true' EXIT
+python3 - "$port" <<'PY' || { echo "moto server did not start (see target/moto.log)" >&2; exit 1; }
+import sys, time, urllib.request
+url = f"http://127.0.0.1:{sys.argv[1]}/moto-api/"
+for _ in range(300):
+    try:
+        urllib.request.urlopen(url, timeout=1)
+        sys.exit(0)
+    except Exception:
+        time.sleep(0.1)
+sys.exit(1)
+PY
+export RELAY_TEST_SQS_ENDPOINT="http://127.0.0.1:$port"
+
+echo "==> cargo test (unit, store on embedded DynamoDB, handlers, poller, dead letters on moto SQS, end to end)"
 cargo test --workspace --all-targets --locked
 
 echo "==> template lint"

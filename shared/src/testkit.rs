@@ -387,3 +387,29 @@ impl crate::deadletter::DeadLetterSink for MemorySink {
         Ok(())
     }
 }
+
+/// The event Lambda's SQS event source would hand the redrive function for these messages.
+pub fn sqs_event(queue_arn: &str, messages: &[crate::deadletter::Received]) -> serde_json::Value {
+    let records: Vec<serde_json::Value> = messages
+        .iter()
+        .map(|m| {
+            serde_json::json!({
+                "messageId": m.message_id,
+                "receiptHandle": m.receipt_handle,
+                "body": m.body,
+                "attributes": {
+                    "ApproximateReceiveCount": m.receive_count.to_string(),
+                    "SentTimestamp": "1796210146000",
+                    "SenderId": "AIDAEXAMPLE",
+                    "ApproximateFirstReceiveTimestamp": "1796210146001"
+                },
+                "messageAttributes": {},
+                "md5OfBody": "",
+                "eventSource": "aws:sqs",
+                "eventSourceARN": queue_arn,
+                "awsRegion": "us-east-1"
+            })
+        })
+        .collect();
+    serde_json::json!({ "Records": records })
+}
