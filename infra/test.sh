@@ -9,7 +9,7 @@ cd "$root"
 infra/tools.sh
 
 port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()')"
-echo "==> starting moto server (SQS) on 127.0.0.1:$port"
+echo "==> starting moto server (SQS, and DynamoDB for the contract tests) on 127.0.0.1:$port"
 .venv/bin/moto_server -H 127.0.0.1 -p "$port" > target/moto.log 2>&1 &
 moto_pid=$!
 trap 'kill "$moto_pid" 2>/dev/null; wait "$moto_pid" 2>/dev/null || true' EXIT
@@ -28,6 +28,9 @@ export RELAY_TEST_SQS_ENDPOINT="http://127.0.0.1:$port"
 
 echo "==> cargo test (unit, store on embedded DynamoDB, handlers, poller, dead letters on moto SQS, end to end)"
 cargo test --workspace --all-targets --locked
+
+echo "==> store contract tests again, against moto's DynamoDB (the second engine)"
+RELAY_TEST_DYNAMODB_ENDPOINT="$RELAY_TEST_SQS_ENDPOINT" cargo test -p relay-shared --lib --locked store::
 
 echo "==> template lint"
 .venv/bin/cfn-lint template.yaml

@@ -831,6 +831,28 @@ mod tests {
     }
 
     #[tokio::test(flavor = "multi_thread")]
+    async fn claims_are_exclusive_and_only_the_holder_reschedules() -> anyhow::Result<()> {
+        let (_db, store) = engine().await?;
+        let task = pending(&store, CaptchaKind::Turnstile).await;
+        let page = store.due_page(task.task_ref.shard(POLL_SHARDS), t(122_000), 10, None).await?;
+        let due = page.tasks.into_iter().find(|d| d.task.task_ref == task.task_ref).expect("listed when due");
+        assert_eq!((due.due_at, due.reads), (t(122_000), 0));
+        assert!(store.claim(&due, "a", t(212_000)).await?, "first claim wins");
+        assert!(!store.claim(&due, "b", t(212_000)).await?, "the same listing cannot be claimed twice");
+        assert!(due_refs(&store, 211_999).await.is_empty(), "a claimed task leaves the due list until its lease ends");
+        assert!(!store.reschedule(&task.task_ref, "b", t(130_000), true, false, None).await?, "only the holder");
+        assert!(store.reschedule(&task.task_ref, "a", t(130_000), true, true, Some(t(125_000))).await?);
+        let again = store.due_page(task.task_ref.shard(POLL_SHARDS), t(130_000), 10, None).await?;
+        let d = again.tasks.into_iter().find(|d| d.task.task_ref == task.task_ref).expect("due again");
+        assert_eq!((d.reads, d.unknown_codes, d.last_not_ready_at), (1, 1, Some(t(125_000))));
+        assert!(store.expire(&task.task_ref, "deadline", t(600_000)).await?);
+        assert!(!store.expire(&task.task_ref, "deadline", t(600_001)).await?, "expiring twice writes nothing");
+        assert!(matches!(store.get(&task.task_ref).await?.map(|t| t.state), Some(TaskState::Expired { .. })));
+        assert!(due_refs(&store, u64::MAX / 2).await.is_empty());
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
     async fn fifty_concurrent_deliveries_write_exactly_once() -> anyhow::Result<()> {
         let (_db, store) = engine().await?;
         for tokens in [vec!["same"], vec!["first", "second"]] {
