@@ -18,6 +18,22 @@ pub fn init() {
         .try_init();
 }
 
+/// CloudWatch namespace of every metric the relay emits.
+pub const METRICS_NAMESPACE: &str = "CaptchaRelay";
+
+/// Installs the CloudWatch Embedded Metric Format recorder (once, at cold start): every
+/// `metrics::counter!` lands in an EMF document flushed to stdout after each invocation, with
+/// a `service` dimension, the Lambda request id as a property and a `ColdStart` metric.
+pub fn metrics_init(service: &'static str) -> anyhow::Result<&'static metrics_cloudwatch_embedded::Collector> {
+    metrics_cloudwatch_embedded::Builder::new()
+        .cloudwatch_namespace(METRICS_NAMESPACE)
+        .with_dimension("service", service)
+        .lambda_cold_start_metric("ColdStart")
+        .with_lambda_request_id("RequestId")
+        .init()
+        .map_err(|e| anyhow::anyhow!("metrics recorder: {e}"))
+}
+
 /// Logs a failed cold start (with its cause chain) before the runtime reports it.
 pub fn cold_start<T>(deps: anyhow::Result<T>) -> anyhow::Result<T> {
     deps.inspect_err(|e| tracing::error!(event = "cold_start_failed", error = format!("{e:#}"), "cold start failed"))
@@ -27,4 +43,23 @@ pub fn cold_start<T>(deps: anyhow::Result<T>) -> anyhow::Result<T> {
 /// would already say too much, so only the length is kept.
 pub fn redact(token: &str) -> String {
     format!("<redacted {} bytes>", token.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metrics_are_written_as_embedded_metric_format_documents() {
+        let collector = metrics_init("test").expect("recorder installs once");
+        metrics::counter!("callbacks", "outcome" => "duplicate").increment(2);
+        let mut out = Vec::new();
+        collector.flush(&mut out).expect("flush");
+        let line = String::from_utf8(out).expect("utf8");
+        let doc: serde_json::Value = serde_json::from_str(line.lines().next().expect("a document")).expect("json");
+        assert_eq!(doc["_aws"]["CloudWatchMetrics"][0]["Namespace"], METRICS_NAMESPACE);
+        assert_eq!(doc["service"], "test");
+        assert_eq!(doc["outcome"], "duplicate");
+        assert_eq!(doc["callbacks"], 2);
+    }
 }

@@ -152,6 +152,7 @@ async fn submit(req: &Request, deps: &Deps) -> Result<Response<Body>, Response<B
                 return match deps.store.mark_submitted(&task_ref, &id, at, at.plus(grace)).await {
                     Ok(SubmitRecorded::Pending(t) | SubmitRecorded::AlreadyResolved(t)) => {
                         tracing::info!(event = "task_submitted", captcha_id = %id, attempts = attempt, "in.php accepted the task");
+                        metrics::counter!("submits", "outcome" => "accepted").increment(1);
                         Ok(json(202, &t.view(deps.clock.now())))
                     }
                     Err(e) => {
@@ -164,6 +165,7 @@ async fn submit(req: &Request, deps: &Deps) -> Result<Response<Body>, Response<B
             }
             Err(e) if e.outcome_unknown() => {
                 tracing::warn!(event = "submit_unknown", error = %e, "in.php outcome unknown; not retried to avoid paying twice");
+                metrics::counter!("submits", "outcome" => "unknown").increment(1);
                 return Err(with_header(
                     json(
                         503,
@@ -191,6 +193,7 @@ async fn submit(req: &Request, deps: &Deps) -> Result<Response<Body>, Response<B
         _ => (503, format!("in.php kept answering transient errors ({attempt} tries): {err}")),
     };
     tracing::warn!(event = "submit_failed", code, status, "submit failed");
+    metrics::counter!("submits", "outcome" => if status == 503 { "transient" } else { "refused" }).increment(1);
     let stored = deps.store.mark_submit_failed(&task_ref, &code, &detail, deps.clock.now()).await;
     if let Err(e) = &stored {
         tracing::error!(event = "store_failed", error = %e, "could not mark the failed submit");

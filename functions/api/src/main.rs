@@ -1,8 +1,7 @@
-use lambda_http::{run, service_fn};
-
 #[tokio::main]
-async fn main() -> Result<(), lambda_http::Error> {
+async fn main() -> Result<(), lambda_runtime::Error> {
     relay_shared::telemetry::init();
+    let metrics = relay_shared::telemetry::cold_start(relay_shared::telemetry::metrics_init("api"))?;
     let deps = relay_shared::telemetry::cold_start(relay_api::Deps::from_env().await)?;
-    run(service_fn(|req| relay_api::handle(req, &deps))).await
+    metrics_cloudwatch_embedded::lambda::handler::run_http(metrics, |req| relay_api::handle(req, &deps)).await
 }

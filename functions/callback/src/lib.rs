@@ -119,7 +119,13 @@ pub async fn handle(req: Request, deps: &Deps) -> Result<Response<Body>, lambda_
 
 /// Handles one pingback.
 pub async fn respond(req: Request, deps: &Deps) -> Response<Body> {
-    handle_inner(req, deps).await.unwrap_or_else(|resp| resp)
+    let resp = handle_inner(req, deps).await.unwrap_or_else(|resp| resp);
+    if !resp.status().is_success() {
+        let status = resp.status().as_u16();
+        let outcome = if status >= 500 { "not_stored" } else { "rejected" };
+        metrics::counter!("callbacks", "outcome" => outcome).increment(1);
+    }
+    resp
 }
 
 async fn handle_inner(req: Request, deps: &Deps) -> Result<Response<Body>, Response<Body>> {
@@ -145,10 +151,12 @@ async fn handle_inner(req: Request, deps: &Deps) -> Result<Response<Body>, Respo
     match deps.store.record_result(&task_ref, &delivery).await {
         Ok(RecordOutcome::Recorded(_)) => {
             tracing::info!(event = "callback_recorded", outcome, "result recorded");
+            metrics::counter!("callbacks", "outcome" => "recorded").increment(1);
             Ok(json(200, &serde_json::json!({ "outcome": "recorded" })))
         }
         Ok(RecordOutcome::Duplicate(_)) => {
             tracing::info!(event = "callback_duplicate", "duplicate delivery absorbed");
+            metrics::counter!("callbacks", "outcome" => "duplicate").increment(1);
             Ok(json(200, &serde_json::json!({ "outcome": "duplicate" })))
         }
         Ok(RecordOutcome::Conflict(existing)) => {
@@ -158,6 +166,7 @@ async fn handle_inner(req: Request, deps: &Deps) -> Result<Response<Body>, Respo
                 outcome,
                 "a different result was already recorded; the first one stays"
             );
+            metrics::counter!("callbacks", "outcome" => "conflict").increment(1);
             Ok(json(200, &serde_json::json!({ "outcome": "conflict" })))
         }
         Ok(RecordOutcome::IdMismatch { expected }) => {
@@ -175,6 +184,8 @@ async fn handle_inner(req: Request, deps: &Deps) -> Result<Response<Body>, Respo
             match deps.dead_letters.send(&letter).await {
                 Ok(()) => {
                     tracing::warn!(event = "callback_dead_lettered", error = %e, "store failed; result kept as a dead letter");
+                    metrics::counter!("dead_lettered").increment(1);
+                    metrics::counter!("callbacks", "outcome" => "dead_lettered").increment(1);
                     Ok(json(200, &serde_json::json!({ "outcome": "dead_lettered" })))
                 }
                 Err(q) => {

@@ -242,6 +242,7 @@ pub async fn poll_once(deps: &Deps, now: Timestamp, stop_at: Instant) -> TickRep
 
     let answers = read_all(deps, &claimed, &mut report).await;
     apply_all(deps, now, answers, &mut report).await;
+    emit_tick_metrics(&report);
     tracing::info!(
         event = "poll_tick",
         due = report.due,
@@ -313,6 +314,25 @@ async fn triage_page(
         }
     }
     out
+}
+
+fn emit_tick_metrics(r: &TickReport) {
+    metrics::gauge!("tasks_due").set(r.due as f64);
+    metrics::counter!("recovered_by_poll").increment(r.recovered);
+    metrics::counter!("res_php_requests").increment(r.res_php_requests);
+    for (outcome, n) in [
+        ("solved", r.recovered + r.already_resolved),
+        ("not_ready", r.not_ready),
+        ("failed", r.failed),
+        ("transient", r.transient),
+        ("error", r.errors),
+    ] {
+        metrics::counter!("res_php_answers", "outcome" => outcome).increment(n);
+    }
+    metrics::counter!("poll_expired").increment(r.expired);
+    metrics::counter!("poll_errors").increment(r.errors);
+    metrics::counter!("dead_lettered").increment(r.dead_lettered);
+    metrics::counter!("tick_stopped_early").increment(u64::from(r.stopped_early));
 }
 
 type Answer = (DueTask, Result<ResAnswer, CaptchaAiError>);

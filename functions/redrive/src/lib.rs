@@ -151,6 +151,14 @@ pub async fn process(event: SqsEvent, deps: &Deps) -> (SqsBatchResponse, BatchRe
             }
         }
     }
+    for (outcome, n) in [
+        ("applied", report.applied),
+        ("already_recorded", report.already_recorded),
+        ("poisoned", report.poisoned),
+        ("retried", report.retried),
+    ] {
+        metrics::counter!("redriven", "outcome" => outcome).increment(n);
+    }
     tracing::info!(
         event = "redrive_batch",
         applied = report.applied,
