@@ -4,6 +4,7 @@
 # It starts a moto server (SQS) on 127.0.0.1 for the tests and stops it on exit; DynamoDB is
 # embedded in the tests themselves. Nothing listens beyond loopback, nothing is left running.
 set -euo pipefail
+export SAM_CLI_TELEMETRY=0  # no phoning home from the SAM CLI
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 infra/tools.sh
@@ -32,6 +33,7 @@ cargo test --workspace --all-targets --locked
 echo "==> store contract tests again, against moto's DynamoDB (the second engine)"
 RELAY_TEST_DYNAMODB_ENDPOINT="$RELAY_TEST_SQS_ENDPOINT" cargo test -p relay-shared --lib --locked store::
 
-echo "==> template lint"
+echo "==> template lint (cfn-lint, sam validate --lint)"
 .venv/bin/cfn-lint template.yaml
+SAM_CLI_TELEMETRY=0 .venv/bin/sam validate --lint --region us-east-1
 echo "==> all tests and checks passed"
