@@ -33,7 +33,13 @@ cargo test --workspace --all-targets --locked
 echo "==> store contract tests again, against moto's DynamoDB (the second engine)"
 RELAY_TEST_DYNAMODB_ENDPOINT="$RELAY_TEST_SQS_ENDPOINT" cargo test -p relay-shared --lib --locked store::
 
+echo "==> end to end: the real Lambda binaries under cargo lambda watch, moto, resources from template.yaml"
+infra/e2e.sh
+
 echo "==> template lint (cfn-lint, sam validate --lint)"
 .venv/bin/cfn-lint template.yaml
-SAM_CLI_TELEMETRY=0 .venv/bin/sam validate --lint --region us-east-1
+.venv/bin/sam validate --lint --region us-east-1
+
+echo "==> sam build (cargo-lambda, arm64, release)"
+infra/sam-build.sh
 echo "==> all tests and checks passed"

@@ -38,7 +38,7 @@ pub struct PollerSettings {
     pub page_size: i32,
     /// Most tasks claimed in one tick; the rest wait for the next.
     pub max_tasks_per_tick: usize,
-    /// Stop this long before the Lambda deadline.
+    /// Stop this long before the Lambda deadline (at most a quarter of the time given).
     pub safety_margin: Duration,
 }
 
@@ -169,8 +169,25 @@ pub async fn handle(
 ) -> Result<TickReport, lambda_runtime::Error> {
     let now = clock.now();
     // The context's deadline is wall-clock epoch ms; turn it into a monotonic instant.
-    let left = Duration::from_millis(event.context.deadline.saturating_sub(now.as_millis()));
+    let left = time_left(event.context.deadline, now);
+    tracing::info!(
+        event = "poll_invoked",
+        deadline_ms = event.context.deadline,
+        time_left_ms = left.as_millis() as u64
+    );
     Ok(poll_once(deps, now, Instant::now() + left).await)
+}
+
+/// Time until the invocation's deadline. Lambda sends an epoch-ms deadline; cargo lambda's
+/// emulator sends the timeout itself (e.g. `600000`). A value too small to be an epoch (before
+/// 2001) is taken as a duration from now.
+pub fn time_left(deadline_ms: u64, now: Timestamp) -> Duration {
+    const PLAUSIBLE_EPOCH_MS: u64 = 1_000_000_000_000;
+    if deadline_ms < PLAUSIBLE_EPOCH_MS {
+        Duration::from_millis(deadline_ms)
+    } else {
+        Duration::from_millis(deadline_ms.saturating_sub(now.as_millis()))
+    }
 }
 
 /// Spaces requests at least `1/rps` apart, across all tasks of the tick.
@@ -199,7 +216,10 @@ impl RateLimiter {
 pub async fn poll_once(deps: &Deps, now: Timestamp, stop_at: Instant) -> TickReport {
     let s = &deps.settings;
     let mut report = TickReport::default();
-    let out_of_time = || Instant::now() + s.safety_margin >= stop_at;
+    // Keep back the safety margin, but never more than a quarter of the time given: a short
+    // Lambda timeout must still leave the tick something to do.
+    let margin = s.safety_margin.min(stop_at.saturating_duration_since(Instant::now()) / 4);
+    let out_of_time = || Instant::now() + margin >= stop_at;
     let mut claimed: Vec<(DueTask, CaptchaId)> = Vec::new();
 
     'shards: for shard in 0..POLL_SHARDS {
@@ -536,6 +556,14 @@ mod tests {
         task.state = state;
         task.captcha_id = id.map(|i| CaptchaId::parse(i).expect("id"));
         DueTask { task, due_at: Timestamp::from_millis(0), reads, unknown_codes: 0, last_not_ready_at: None }
+    }
+
+    #[test]
+    fn deadline_is_read_as_epoch_or_as_a_plain_timeout() {
+        let now = Timestamp::from_millis(1_796_210_146_000);
+        assert_eq!(time_left(1_796_210_146_000 + 55_000, now), Duration::from_secs(55));
+        assert_eq!(time_left(1_796_210_146_000 - 1, now), Duration::ZERO, "a past deadline leaves nothing");
+        assert_eq!(time_left(600_000, now), Duration::from_secs(600), "the emulator's timeout-only form");
     }
 
     #[test]

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# End to end with the real Lambda binaries under `cargo lambda watch` (no Docker), moto for
+# DynamoDB and SQS, resources from template.yaml. Called by infra/test.sh (which starts moto);
+# runnable alone with RELAY_TEST_SQS_ENDPOINT pointing at a moto server.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+export PATH="$root/.venv/bin:$PATH"   # cargo-lambda and zig, pinned in infra/requirements-dev.txt
+mkdir -p target
+.venv/bin/python - <<'PY'
+import json
+from cfnlint.decode import cfn_yaml
+json.dump(cfn_yaml.load("template.yaml"), open("target/template.json", "w"), default=str)
+PY
+export RELAY_TEMPLATE_JSON="$root/target/template.json"
+cargo build --locked --bins -p relay-api -p relay-callback -p relay-poller -p relay-redrive -p relay-e2e
+target/debug/relay-e2e
