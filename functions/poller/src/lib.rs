@@ -107,6 +107,8 @@ impl Deps {
 #[derive(Debug, Clone, Default, Serialize, PartialEq, Eq)]
 pub struct TickReport {
     pub due: u64,
+    /// How long the longest-waiting listed task has been due, in seconds.
+    pub oldest_due_secs: u64,
     pub claimed: u64,
     pub polled: u64,
     pub recovered: u64,
@@ -238,6 +240,8 @@ pub async fn poll_once(deps: &Deps, now: Timestamp, stop_at: Instant) -> TickRep
                 }
             };
             report.due += page.tasks.len() as u64;
+            let oldest = page.tasks.iter().map(|d| now.since(d.due_at).as_secs()).max().unwrap_or(0);
+            report.oldest_due_secs = report.oldest_due_secs.max(oldest);
             for (due, triage) in triage_page(deps, now, page.tasks).await {
                 match triage {
                     Ok(Triage::Claimed(id)) => {
@@ -266,6 +270,7 @@ pub async fn poll_once(deps: &Deps, now: Timestamp, stop_at: Instant) -> TickRep
     tracing::info!(
         event = "poll_tick",
         due = report.due,
+        oldest_due_secs = report.oldest_due_secs,
         claimed = report.claimed,
         polled = report.polled,
         recovered = report.recovered,
@@ -338,6 +343,7 @@ async fn triage_page(
 
 fn emit_tick_metrics(r: &TickReport) {
     metrics::gauge!("tasks_due").set(r.due as f64);
+    metrics::gauge!("oldest_due_seconds").set(r.oldest_due_secs as f64);
     metrics::counter!("recovered_by_poll").increment(r.recovered);
     metrics::counter!("res_php_requests").increment(r.res_php_requests);
     for (outcome, n) in [

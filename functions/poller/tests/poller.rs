@@ -142,6 +142,7 @@ async fn every_dropped_callback_is_recovered_by_the_poller() -> anyhow::Result<(
     w.clock.advance(Duration::from_secs(121));
     let tick = w.tick(&p).await;
     assert_eq!(tick.recovered, 40, "{tick:?}");
+    assert_eq!(tick.oldest_due_secs, 1, "due at submit + 120 s, read at + 121 s");
     for (r, id) in &tasks {
         let want = w.fake.task(id).and_then(|t| t.answer).expect("solved by the fake");
         match w.state(r).await {
