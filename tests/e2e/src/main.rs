@@ -151,6 +151,11 @@ impl Emulator {
         Ok(serde_json::from_str(&body).unwrap_or(Value::String(body)))
     }
 
+    async fn get_task(&self, task_ref: &str) -> anyhow::Result<Value> {
+        let url = self.url("relay-api", &format!("/tasks/{task_ref}"));
+        Ok(self.http.get(url).bearer_auth(API_KEY).send().await?.json().await?)
+    }
+
     fn url(&self, function: &str, path: &str) -> String {
         format!("{}/lambda-url/{function}{path}", self.base)
     }
@@ -174,6 +179,17 @@ async fn submit(emu: &Emulator, n: usize) -> anyhow::Result<String> {
     let v: Value = resp.json().await?;
     ensure!(status == 202, "submit {n} answered {status}: {v}");
     Ok(s(&v["task_ref"])?.to_owned())
+}
+
+/// Drains the queue until a receive comes back empty; returns how many messages were handled.
+async fn drain_all(emu: &Emulator, dlq: &SqsQueue) -> anyhow::Result<usize> {
+    let mut total = 0;
+    loop {
+        match drain_once(emu, dlq).await? {
+            0 => return Ok(total),
+            n => total += n,
+        }
+    }
 }
 
 /// The SQS event source: receive a batch, invoke redrive, delete all but the failures.
@@ -321,11 +337,7 @@ async fn scenario(
     settle(fake).await;
     // The event source runs all the time: dead letters are drained at once.
     let mut drained = 0usize;
-    while {
-        let n = drain_once(emu, dlq).await?;
-        drained += n;
-        n > 0
-    } {}
+    drained += drain_all(emu, dlq).await?;
     // Past the (5 s) callback grace, the schedule fires and the event source drains.
     tokio::time::sleep(Duration::from_secs(6)).await;
     let schedule: Value =
@@ -339,21 +351,10 @@ async fn scenario(
         }
         let tick = emu.invoke("relay-poller", &schedule).await?;
         recovered += tick["recovered"].as_u64().unwrap_or(0);
-        while {
-            let n = drain_once(emu, dlq).await?;
-            drained += n;
-            n > 0
-        } {}
+        drained += drain_all(emu, dlq).await?;
         let mut still = Vec::new();
         for r in &unsolved {
-            let v: Value = emu
-                .http
-                .get(emu.url("relay-api", &format!("/tasks/{r}")))
-                .bearer_auth(API_KEY)
-                .send()
-                .await?
-                .json()
-                .await?;
+            let v = emu.get_task(r).await?;
             if v["status"] != "solved" && v["status"] != "expired" {
                 still.push(r.clone());
             }
@@ -366,14 +367,7 @@ async fn scenario(
     // Every task: solved exactly once, with the solution the fake produced.
     let mut by_via: HashMap<String, usize> = HashMap::new();
     for r in &refs {
-        let v: Value = emu
-            .http
-            .get(emu.url("relay-api", &format!("/tasks/{r}")))
-            .bearer_auth(API_KEY)
-            .send()
-            .await?
-            .json()
-            .await?;
+        let v = emu.get_task(r).await?;
         let id = s(&v["captcha_id"])?;
         let want = fake.task(id).and_then(|t| t.answer).context("the fake never solved it")?;
         ensure!(v["resolved_via"].is_string(), "{r}: {v}");
