@@ -2,7 +2,9 @@
 //! `lambda_http::Request` API Gateway would deliver and hands it to the same handler functions
 //! the Lambdas run. Routes are API Gateway's: `/tasks`, `/tasks/{ref}`, `/callback/{ref}/{sig}`.
 
+pub mod demo;
 pub mod queue;
+pub mod run;
 
 use std::sync::Arc;
 

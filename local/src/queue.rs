@@ -148,6 +148,34 @@ impl DiskQueue {
         Ok(n == 1)
     }
 
+    /// Moves a leased message to the poison queue now (it can never succeed).
+    pub fn poison(&self, leased: &Leased) -> Result<bool, QueueError> {
+        let mut conn = self.lock()?;
+        let now = self.now();
+        let tx = conn.transaction().map_err(qerr)?;
+        let n = tx
+            .execute(
+                "INSERT INTO poison (id, body, receive_count, poisoned_at)
+                 SELECT id, body, receive_count, ?3 FROM messages WHERE id = ?1 AND receipt = ?2",
+                params![leased.id, leased.receipt, now],
+            )
+            .map_err(qerr)?;
+        tx.execute("DELETE FROM messages WHERE id = ?1 AND receipt = ?2", params![leased.id, leased.receipt])
+            .map_err(qerr)?;
+        tx.commit().map_err(qerr)?;
+        Ok(n == 1)
+    }
+
+    /// Messages ever sent to this queue file.
+    pub fn total_sent(&self) -> Result<u64, QueueError> {
+        let conn = self.lock()?;
+        conn.query_row("SELECT COALESCE((SELECT seq FROM sqlite_sequence WHERE name = 'messages'), 0)", [], |r| {
+            r.get::<_, i64>(0)
+        })
+        .map(|n| u64::try_from(n).unwrap_or(0))
+        .map_err(qerr)
+    }
+
     /// Messages waiting (visible or leased).
     pub fn depth(&self) -> Result<u64, QueueError> {
         let conn = self.lock()?;

@@ -51,6 +51,9 @@ pub struct FakeConfig {
     pub seed: u64,
     /// Delay before in.php answers (to provoke client timeouts).
     pub in_php_delay_ms: u64,
+    /// Fraction (0..=1) of pingbacks sent late, `late_callback_ms` after the solve.
+    pub late_callbacks: f64,
+    pub late_callback_ms: u64,
 }
 
 impl Default for FakeConfig {
@@ -67,6 +70,8 @@ impl Default for FakeConfig {
             batch_supported: true,
             seed: 7,
             in_php_delay_ms: 0,
+            late_callbacks: 0.0,
+            late_callback_ms: 0,
         }
     }
 }
@@ -94,8 +99,19 @@ pub struct FakeTask {
     /// The answer (a token or an error code) once solved.
     pub answer: Option<String>,
     pub callback_statuses: Vec<u16>,
+    /// Pingbacks the fake decided to send at solve time (0 = dropped, 2 = duplicated).
+    pub pingbacks_planned: u8,
+    /// Whether those pingbacks are sent late (`late_callback_ms` after the solve).
+    pub late: bool,
     #[serde(skip)]
     solved_at: Option<Instant>,
+}
+
+impl FakeTask {
+    /// Solved, and every pingback planned for now has been sent (late ones are not waited for).
+    pub fn settled(&self) -> bool {
+        self.answer.is_some() && (self.late || self.callback_statuses.len() >= usize::from(self.pingbacks_planned))
+    }
 }
 
 struct Inner {
@@ -226,6 +242,8 @@ impl FakeCaptchaAi {
                         pingback: None,
                         answer,
                         callback_statuses: Vec::new(),
+                        pingbacks_planned: 0,
+                        late: false,
                         solved_at: Some(Instant::now()),
                     },
                 );
@@ -357,6 +375,8 @@ async fn in_php(
                 pingback: p.get("pingback").cloned(),
                 answer: None,
                 callback_statuses: Vec::new(),
+                pingbacks_planned: 0,
+                late: false,
                 solved_at: None,
             },
         );
@@ -387,7 +407,13 @@ async fn solve_and_deliver(shared: Shared, id: u64, delay_ms: u64) {
             }
             Some(url) => {
                 let times = if chance(cfg.seed, id, 2, cfg.duplicate_callbacks) { 2 } else { 1 };
-                Some((url, code, times, cfg.callback_mode, cfg.callback_delay_ms))
+                let late = chance(cfg.seed, id, 3, cfg.late_callbacks);
+                if let Some(t) = g.tasks.get_mut(&id) {
+                    t.pingbacks_planned = times;
+                    t.late = late;
+                }
+                let delay = cfg.callback_delay_ms + if late { cfg.late_callback_ms } else { 0 };
+                Some((url, code, times, cfg.callback_mode, delay))
             }
         }
     };

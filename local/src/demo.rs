@@ -1,0 +1,194 @@
+//! `relay-local demo`: the three patterns doing their job. Submits N tasks to the built-in fake
+//! with faults on — dropped, duplicated and late callbacks, and a burst of store failures —
+//! then reports how every result arrived, and whether anything was lost.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use fake_captchaai::FakeConfig;
+use indicatif::{ProgressBar, ProgressStyle};
+use relay_shared::domain::{TaskRef, TaskState, Via};
+
+use crate::run::{LocalConfig, Options, start};
+
+/// The demo's outcome, checked against what the fake really solved.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DemoReport {
+    pub tasks: usize,
+    pub by_callback: usize,
+    pub by_poll: usize,
+    pub by_redrive: usize,
+    /// Duplicate pingbacks the fake sent that changed nothing.
+    pub duplicates_absorbed: u64,
+    /// Late pingbacks that found the result already recorded.
+    pub late_callbacks: usize,
+    pub dead_lettered: usize,
+    /// Store calls the fault injector failed during the burst.
+    pub store_faults: u64,
+    pub expired: usize,
+    pub failed: usize,
+    /// Tasks without the fake's solution at the end.
+    pub lost: usize,
+    pub elapsed: Duration,
+    pub median_to_result: Duration,
+}
+
+impl DemoReport {
+    pub fn table(&self) -> String {
+        let rows = [
+            ("tasks submitted", self.tasks.to_string()),
+            ("delivered by callback", self.by_callback.to_string()),
+            ("recovered by poll", self.by_poll.to_string()),
+            ("recovered by redrive", self.by_redrive.to_string()),
+            ("store faults injected", self.store_faults.to_string()),
+            ("dead letters written", self.dead_lettered.to_string()),
+            ("duplicates absorbed", self.duplicates_absorbed.to_string()),
+            ("late callbacks absorbed", self.late_callbacks.to_string()),
+            ("expired", self.expired.to_string()),
+            ("failed", self.failed.to_string()),
+            ("LOST", self.lost.to_string()),
+            ("total time", format!("{:.1} s", self.elapsed.as_secs_f64())),
+            ("median submit → result", format!("{:.2} s", self.median_to_result.as_secs_f64())),
+        ];
+        let mut out = String::from("+--------------------------+----------+\n");
+        for (k, v) in rows {
+            out.push_str(&format!("| {k:<24} | {v:>8} |\n"));
+        }
+        out.push_str("+--------------------------+----------+");
+        out
+    }
+}
+
+/// Runs the demo with `n` tasks in a fresh data dir; `progress` shows bars when true.
+pub async fn run_demo(n: usize, data_dir: std::path::PathBuf, progress: bool) -> anyhow::Result<DemoReport> {
+    let started = Instant::now();
+    let cfg = LocalConfig {
+        bind: "127.0.0.1:0".into(),
+        data_dir,
+        callback_grace_secs: 5,
+        poll_interval_secs: 1,
+        ..LocalConfig::default()
+    };
+    let fake = FakeConfig {
+        solve_delay_ms: 100,
+        drop_callbacks: 0.3,
+        duplicate_callbacks: 0.1,
+        late_callbacks: 0.05,
+        late_callback_ms: 8_000,
+        ..FakeConfig::default()
+    };
+    let relay = start(&cfg, Options { fake: Some(fake), flaky_store: true, redrive_every: None }).await?;
+    let http = reqwest::Client::new();
+    let bar = |len: usize, msg: &'static str| {
+        let b = if progress { ProgressBar::new(len as u64) } else { ProgressBar::hidden() };
+        b.set_style(
+            ProgressStyle::with_template("{msg:>10} [{bar:40}] {pos}/{len}")
+                .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
+        b.set_message(msg);
+        b
+    };
+    let kinds = [
+        r#"{"kind":"turnstile","sitekey":"0x4AAA","pageurl":"https://shop.example/login"}"#,
+        r#"{"kind":"image","body":"iVBORw0KGgo="}"#,
+        r#"{"kind":"hcaptcha","sitekey":"10000000-ffff","pageurl":"https://shop.example/login"}"#,
+    ];
+    let flaky = relay.flaky.as_ref().context("demo runs with a fault injector")?;
+    let submitting = bar(n, "submitted");
+    let mut tasks: Vec<(TaskRef, Instant)> = Vec::with_capacity(n);
+    for i in 0..n {
+        // A burst of store failures on the writes of results for the middle fifth.
+        if i == 2 * n / 5 {
+            flaky.set_failing_matching(Some(":solution"));
+        }
+        if i == 3 * n / 5 {
+            // Hold the outage until every result of the burst has come in (or been dropped).
+            if let Some(fake) = &relay.fake {
+                settle(fake).await;
+            }
+            flaky.set_failing_matching(None);
+        }
+        let v: serde_json::Value = http
+            .post(format!("{}/tasks", relay.base_url))
+            .bearer_auth(&relay.api_key)
+            .header("content-type", "application/json")
+            .body(kinds[i % kinds.len()])
+            .send()
+            .await?
+            .json()
+            .await?;
+        let r = TaskRef::parse(v["task_ref"].as_str().unwrap_or_default())
+            .with_context(|| format!("submit answered {v}"))?;
+        tasks.push((r, Instant::now()));
+        submitting.inc(1);
+    }
+    flaky.set_failing_matching(None);
+    submitting.finish();
+
+    let resolving = bar(n, "resolved");
+    let mut resolved_at: HashMap<String, Duration> = HashMap::new();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while resolved_at.len() < n && Instant::now() < deadline {
+        for (r, at) in &tasks {
+            if resolved_at.contains_key(r.as_ref()) {
+                continue;
+            }
+            if relay.store.get(r).await?.is_some_and(|t| t.state.is_final()) {
+                resolved_at.insert(r.to_string(), at.elapsed());
+                resolving.inc(1);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    resolving.finish();
+    // Give late pingbacks their chance to arrive (and be absorbed).
+    tokio::time::sleep(Duration::from_millis(8_500)).await;
+
+    let fake = relay.fake.as_ref().context("demo runs on the built-in fake")?;
+    let mut report = DemoReport {
+        tasks: n,
+        dead_lettered: relay.queue.total_sent()? as usize,
+        store_faults: flaky.calls_failed(),
+        ..DemoReport::default()
+    };
+    for (r, _) in &tasks {
+        let task = relay.store.get(r).await?.context("task vanished")?;
+        let want = task.captcha_id.as_ref().and_then(|id| fake.task(id.as_ref())).and_then(|t| t.answer);
+        match &task.state {
+            TaskState::Solved { solution, via, .. } if Some(solution.expose()) == want.as_deref() => match via {
+                Via::Callback => report.by_callback += 1,
+                Via::Poll => report.by_poll += 1,
+                Via::Redrive => report.by_redrive += 1,
+                _ => report.lost += 1,
+            },
+            TaskState::Expired { .. } => report.expired += 1,
+            TaskState::Failed { .. } => report.failed += 1,
+            _ => report.lost += 1,
+        }
+        if let Some(id) = &task.captcha_id
+            && let Some(ft) = fake.task(id.as_ref())
+        {
+            report.duplicates_absorbed += ft.callback_statuses.len().saturating_sub(1) as u64;
+            // A pingback that came after the poller had recorded the result.
+            if !ft.callback_statuses.is_empty() && matches!(task.state, TaskState::Solved { via: Via::Poll, .. }) {
+                report.late_callbacks += 1;
+            }
+        }
+    }
+    let mut times: Vec<Duration> = resolved_at.into_values().collect();
+    times.sort();
+    report.median_to_result = times.get(times.len() / 2).copied().unwrap_or_default();
+    report.elapsed = started.elapsed();
+    relay.shutdown().await;
+    Ok(report)
+}
+
+/// Waits until the fake has solved everything submitted so far and sent every pingback it
+/// planned to send now (late ones are not waited for).
+async fn settle(fake: &fake_captchaai::FakeCaptchaAi) {
+    let until = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < until && !fake.tasks().iter().all(fake_captchaai::FakeTask::settled) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

@@ -1,0 +1,101 @@
+//! `relay-local`: the whole relay on one machine.
+//!
+//!   relay-local serve [--config relay.json]     # API + callback on RELAY_BIND, poller, redrive
+//!   relay-local demo [--tasks 200]              # the three patterns at work; exit 1 if anything was lost
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+use relay_local::run::{LocalConfig, Options, start};
+
+#[derive(Parser)]
+#[command(name = "relay-local", about = "The captcha relay on one machine (no AWS, no Docker)")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Serve the relay until Ctrl-C / SIGTERM.
+    Serve {
+        /// A JSON config file; environment variables override it.
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
+    /// Run the demo scenario against the built-in fake CaptchaAI.
+    Demo {
+        #[arg(long, default_value_t = 200)]
+        tasks: usize,
+        /// Data directory (default: a fresh temporary one).
+        #[arg(long)]
+        data_dir: Option<PathBuf>,
+    },
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(t) => t,
+            Err(_) => return std::future::pending().await,
+        };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    // The embedded engine reports every refused conditional write; that is normal here.
+    let quiet = if matches!(cli.cmd, Cmd::Demo { .. }) { "error" } else { "warn,dynoxide=error" };
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(quiet)),
+        )
+        .with_writer(std::io::stderr)
+        .try_init();
+    match run(cli).await {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("relay-local: {e:#}");
+            std::process::ExitCode::from(2)
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
+    match cli.cmd {
+        Cmd::Serve { config } => {
+            let cfg = LocalConfig::load(config.as_deref(), &|k| std::env::var(k).ok())?;
+            let relay = start(&cfg, Options::default()).await?;
+            println!("relay listening on {} (data in {})", relay.base_url, cfg.data_dir.display());
+            println!("  POST {}/tasks   (Authorization: Bearer <RELAY_API_KEY>)", relay.base_url);
+            println!("  GET  {}/tasks/{{ref}}", relay.base_url);
+            println!("  GET  {}/health", relay.base_url);
+            if relay.fake.is_some() {
+                println!(
+                    "  CaptchaAI: the built-in fake (set CAPTCHAAI_API_KEY and RELAY_PUBLIC_URL for the real one)"
+                );
+            }
+            shutdown_signal().await;
+            eprintln!("shutting down: finishing in-flight work");
+            relay.shutdown().await;
+            Ok(std::process::ExitCode::SUCCESS)
+        }
+        Cmd::Demo { tasks, data_dir } => {
+            let dir =
+                data_dir.unwrap_or_else(|| std::env::temp_dir().join(format!("relay-demo-{}", std::process::id())));
+            let report = relay_local::demo::run_demo(tasks, dir, true).await?;
+            println!("{}", report.table());
+            Ok(if report.lost == 0 { std::process::ExitCode::SUCCESS } else { std::process::ExitCode::from(1) })
+        }
+    }
+}

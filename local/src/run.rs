@@ -1,0 +1,282 @@
+//! The relay on one machine: the API and callback handlers on one HTTP server, the poller on
+//! a timer and the redrive loop draining a durable on-disk dead-letter queue — the same
+//! handler code the Lambdas run — over an embedded DynamoDB engine persisted to a file.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use fake_captchaai::{FakeCaptchaAi, FakeConfig};
+use relay_shared::captchaai::CaptchaAiClient;
+use relay_shared::store::{TaskStore, schema};
+use relay_shared::testkit::{FlakyDynamo, LocalDynamo, client_for};
+use relay_shared::time::{Clock, SystemClock};
+use secrecy::SecretString;
+use serde::Deserialize;
+
+use crate::queue::DiskQueue;
+use crate::{LocalParts, Relay};
+
+/// Settings of the local relay: from a JSON file, then the environment on top.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LocalConfig {
+    /// Where the HTTP server listens (`RELAY_BIND`).
+    pub bind: String,
+    /// Where the task table and the dead-letter queue are kept (`RELAY_DATA_DIR`).
+    pub data_dir: PathBuf,
+    /// Bearer key for `/tasks` (`RELAY_API_KEY`).
+    pub api_key: String,
+    /// HMAC secret for callback paths (`CALLBACK_SIGNING_SECRET`).
+    pub signing_secret: String,
+    /// A real CaptchaAI key (`CAPTCHAAI_API_KEY`); without it the built-in fake is used.
+    pub captchaai_api_key: Option<String>,
+    /// (`CAPTCHAAI_BASE_URL`)
+    pub captchaai_base_url: String,
+    /// Public base URL CaptchaAI can reach for pingbacks (`RELAY_PUBLIC_URL`); required with a
+    /// real key.
+    pub public_url: Option<String>,
+    /// Seconds between poller ticks (`POLL_INTERVAL_SECS`).
+    pub poll_interval_secs: u64,
+    /// Seconds a callback gets before the poller reads res.php (`CALLBACK_GRACE_SECS`).
+    pub callback_grace_secs: u64,
+}
+
+impl Default for LocalConfig {
+    fn default() -> Self {
+        Self {
+            bind: "127.0.0.1:8080".into(),
+            data_dir: PathBuf::from("relay-data"),
+            api_key: "local-dev-key".into(),
+            signing_secret: "local-dev-signing-secret".into(),
+            captchaai_api_key: None,
+            captchaai_base_url: "https://ocr.captchaai.com".into(),
+            public_url: None,
+            poll_interval_secs: 10,
+            callback_grace_secs: 120,
+        }
+    }
+}
+
+impl LocalConfig {
+    /// Reads the file (if any), applies the environment, and checks every value.
+    pub fn load(file: Option<&std::path::Path>, env: &dyn Fn(&str) -> Option<String>) -> anyhow::Result<Self> {
+        let mut c = match file {
+            Some(p) => {
+                let text =
+                    std::fs::read_to_string(p).with_context(|| format!("cannot read config file {}", p.display()))?;
+                serde_json::from_str(&text).with_context(|| format!("config file {} is not valid", p.display()))?
+            }
+            None => Self::default(),
+        };
+        let num = |name: &str, v: String| -> anyhow::Result<u64> {
+            v.trim().parse().with_context(|| format!("{name} must be a whole number of seconds, got `{v}`"))
+        };
+        if let Some(v) = env("RELAY_BIND") {
+            c.bind = v;
+        }
+        if let Some(v) = env("RELAY_DATA_DIR") {
+            c.data_dir = v.into();
+        }
+        if let Some(v) = env("RELAY_API_KEY") {
+            c.api_key = v;
+        }
+        if let Some(v) = env("CALLBACK_SIGNING_SECRET") {
+            c.signing_secret = v;
+        }
+        if let Some(v) = env("CAPTCHAAI_API_KEY") {
+            c.captchaai_api_key = Some(v);
+        }
+        if let Some(v) = env("CAPTCHAAI_BASE_URL") {
+            c.captchaai_base_url = v;
+        }
+        if let Some(v) = env("RELAY_PUBLIC_URL") {
+            c.public_url = Some(v);
+        }
+        if let Some(v) = env("POLL_INTERVAL_SECS") {
+            c.poll_interval_secs = num("POLL_INTERVAL_SECS", v)?;
+        }
+        if let Some(v) = env("CALLBACK_GRACE_SECS") {
+            c.callback_grace_secs = num("CALLBACK_GRACE_SECS", v)?;
+        }
+        c.check()?;
+        Ok(c)
+    }
+
+    fn check(&self) -> anyhow::Result<()> {
+        self.bind
+            .parse::<SocketAddr>()
+            .with_context(|| format!("bind `{}` is not an address like 127.0.0.1:8080", self.bind))?;
+        if self.api_key.trim().is_empty() {
+            bail!("api_key (RELAY_API_KEY) must not be empty");
+        }
+        if self.signing_secret.len() < 16 {
+            bail!("signing_secret (CALLBACK_SIGNING_SECRET) must be at least 16 characters");
+        }
+        if self.poll_interval_secs == 0 {
+            bail!("poll_interval_secs (POLL_INTERVAL_SECS) must be at least 1");
+        }
+        if self.callback_grace_secs < 5 {
+            bail!("callback_grace_secs (CALLBACK_GRACE_SECS) must be at least 5 (the protocol's first-poll minimum)");
+        }
+        for (name, url) in
+            [("captchaai_base_url", Some(&self.captchaai_base_url)), ("public_url", self.public_url.as_ref())]
+        {
+            if let Some(u) = url
+                && !(u.starts_with("http://") || u.starts_with("https://"))
+            {
+                bail!("{name} `{u}` is not an http(s) URL");
+            }
+        }
+        if self.captchaai_api_key.is_some() && self.public_url.is_none() {
+            bail!("with a real CaptchaAI key, set public_url (RELAY_PUBLIC_URL): CaptchaAI must reach /callback on it");
+        }
+        Ok(())
+    }
+}
+
+/// Extra switches for tests and the demo.
+#[derive(Default)]
+pub struct Options {
+    /// Run the built-in fake with these knobs (default: the fake's defaults).
+    pub fake: Option<FakeConfig>,
+    /// Put a fault injector in front of the store.
+    pub flaky_store: bool,
+    /// Redrive loop interval (default 500 ms).
+    pub redrive_every: Option<Duration>,
+}
+
+/// A running local relay. [`Running::shutdown`] stops it gracefully.
+pub struct Running {
+    pub base_url: String,
+    pub store: TaskStore,
+    pub queue: DiskQueue,
+    pub fake: Option<FakeCaptchaAi>,
+    pub flaky: Option<FlakyDynamo>,
+    pub api_key: String,
+    stop: tokio::sync::watch::Sender<bool>,
+    workers: tokio::task::JoinSet<()>,
+    _db: LocalDynamo,
+}
+
+async fn ensure_table(endpoint: &str) -> anyhow::Result<String> {
+    const TABLE: &str = "tasks";
+    let client = client_for(endpoint);
+    if client.describe_table().table_name(TABLE).send().await.is_err() {
+        schema::create_table(&client, TABLE).await.context("creating the task table")?;
+    }
+    Ok(TABLE.into())
+}
+
+/// Starts everything; returns once the HTTP server is listening.
+pub async fn start(cfg: &LocalConfig, opts: Options) -> anyhow::Result<Running> {
+    std::fs::create_dir_all(&cfg.data_dir)
+        .with_context(|| format!("cannot create data dir {}", cfg.data_dir.display()))?;
+    let listener = tokio::net::TcpListener::bind(&cfg.bind)
+        .await
+        .with_context(|| format!("cannot listen on {} (is another relay or program using that port?)", cfg.bind))?;
+    let addr = listener.local_addr()?;
+    let base_url = format!("http://{addr}");
+
+    let db = LocalDynamo::start_at(&cfg.data_dir.join("tasks.sqlite")).await.context("opening the task store")?;
+    let table = ensure_table(&db.endpoint).await?;
+    let flaky = if opts.flaky_store { Some(FlakyDynamo::start(&db.endpoint).await?) } else { None };
+    let endpoint = flaky.as_ref().map_or(db.endpoint.clone(), |f| f.endpoint.clone());
+    let retention = Duration::from_secs(7 * 86_400);
+    let store = TaskStore::new(client_for(&endpoint), table.clone(), retention);
+
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let queue = DiskQueue::open(&cfg.data_dir.join("dead-letters.sqlite"), clock.clone(), Duration::from_secs(30), 5)?;
+
+    let (fake, cai_url, cai_key, callback_base) = match &cfg.captchaai_api_key {
+        Some(key) => (None, cfg.captchaai_base_url.clone(), key.clone(), cfg.public_url.clone().unwrap_or_default()),
+        None => {
+            let fake = FakeCaptchaAi::start(opts.fake.unwrap_or_default()).await?;
+            let (url, key) = (fake.base_url(), fake.api_key());
+            (Some(fake), url, key, cfg.public_url.clone().unwrap_or_else(|| base_url.clone()))
+        }
+    };
+    let client = CaptchaAiClient::new(&cai_url, SecretString::from(cai_key), Duration::from_secs(15), None)?;
+    let mut relay = Relay::new(LocalParts {
+        store: store.clone(),
+        captchaai: client.clone(),
+        api_key: SecretString::from(cfg.api_key.clone()),
+        signing_secret: SecretString::from(cfg.signing_secret.clone()),
+        callback_base_url: callback_base,
+        clock: clock.clone(),
+        dead_letters: Arc::new(queue.clone()),
+    });
+    relay.api.callback_grace =
+        relay_shared::config::CallbackGrace::uniform(Duration::from_secs(cfg.callback_grace_secs));
+
+    let (stop, stop_rx) = tokio::sync::watch::channel(false);
+    let mut workers = tokio::task::JoinSet::new();
+    let mut rx = stop_rx.clone();
+    workers.spawn(async move {
+        let shutdown = async move {
+            let _ = rx.wait_for(|s| *s).await;
+        };
+        if let Err(e) = crate::serve(listener, Arc::new(relay), shutdown).await {
+            tracing::error!(event = "server_failed", error = %e);
+        }
+    });
+    let poller = relay_poller::Deps {
+        store: store.clone(),
+        captchaai: client,
+        settings: relay_poller::PollerSettings::default(),
+        owner: "local".into(),
+        dead_letters: Arc::new(queue.clone()),
+    };
+    let every = Duration::from_secs(cfg.poll_interval_secs);
+    let (mut rx, clock2) = (stop_rx.clone(), clock.clone());
+    workers.spawn(async move {
+        loop {
+            // A tick runs to completion (it is bounded by its own deadline) before shutdown.
+            let report = relay_poller::poll_once(&poller, clock2.now(), Instant::now() + every).await;
+            tracing::debug!(?report, "local poller tick");
+            tokio::select! {
+                _ = tokio::time::sleep(every) => {}
+                _ = rx.wait_for(|s| *s) => break,
+            }
+        }
+    });
+    let (mut rx, q, st) = (stop_rx, queue.clone(), store.clone());
+    let redrive_every = opts.redrive_every.unwrap_or(Duration::from_millis(500));
+    workers.spawn(async move {
+        loop {
+            drain_dead_letters(&q, &st).await;
+            tokio::select! {
+                _ = tokio::time::sleep(redrive_every) => {}
+                _ = rx.wait_for(|s| *s) => break,
+            }
+        }
+    });
+    Ok(Running { base_url, store, queue, fake, flaky, api_key: cfg.api_key.clone(), stop, workers, _db: db })
+}
+
+/// One pass of the redrive loop over the on-disk dead-letter queue.
+pub async fn drain_dead_letters(queue: &DiskQueue, store: &TaskStore) {
+    let q = queue.clone();
+    let Ok(Ok(batch)) = tokio::task::spawn_blocking(move || q.receive(10)).await else { return };
+    for m in batch {
+        let outcome = relay_redrive::redrive_one(store, &m.body).await;
+        let q = queue.clone();
+        let _ = tokio::task::spawn_blocking(move || match outcome {
+            relay_redrive::Redriven::Applied | relay_redrive::Redriven::AlreadyRecorded => q.delete(&m).map(|_| ()),
+            relay_redrive::Redriven::Permanent(_) => q.poison(&m).map(|_| ()),
+            // Left leased: it comes back when its visibility lapses.
+            relay_redrive::Redriven::Retry(_) => Ok(()),
+        })
+        .await;
+    }
+}
+
+impl Running {
+    /// Stops accepting, lets in-flight requests and the current tick finish, then returns.
+    pub async fn shutdown(mut self) {
+        let _ = self.stop.send(true);
+        while self.workers.join_next().await.is_some() {}
+    }
+}
