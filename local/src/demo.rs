@@ -23,6 +23,8 @@ pub struct DemoReport {
     pub duplicates_absorbed: u64,
     /// Late pingbacks that found the result already recorded.
     pub late_callbacks: usize,
+    /// Pingbacks with a different answer than the recorded one: answered 200, first result kept.
+    pub conflicts: usize,
     pub dead_lettered: usize,
     /// Store calls the fault injector failed during the burst.
     pub store_faults: u64,
@@ -45,6 +47,7 @@ impl DemoReport {
             ("dead letters written", self.dead_lettered.to_string()),
             ("duplicates absorbed", self.duplicates_absorbed.to_string()),
             ("late callbacks absorbed", self.late_callbacks.to_string()),
+            ("conflicts (first kept)", self.conflicts.to_string()),
             ("expired", self.expired.to_string()),
             ("failed", self.failed.to_string()),
             ("LOST", self.lost.to_string()),
@@ -146,10 +149,26 @@ pub async fn run_demo(n: usize, data_dir: std::path::PathBuf, progress: bool) ->
     tokio::time::sleep(Duration::from_millis(8_500)).await;
 
     let fake = relay.fake.as_ref().context("demo runs on the built-in fake")?;
+    // A few conflicting deliveries (another answer for a solved task), as a confused or
+    // malicious sender would make: each is answered 200 and changes nothing.
+    let mut conflicts = 0;
+    for ft in fake.tasks().iter().filter(|t| t.pingback.is_some() && t.answer.is_some()).take((n / 40).max(1)) {
+        let url = ft.pingback.clone().unwrap_or_default();
+        let resp = http
+            .get(&url)
+            .query(&[("id", ft.id.to_string()), ("code", format!("conflicting-{}", ft.id))])
+            .send()
+            .await?;
+        let outcome: serde_json::Value = resp.json().await.unwrap_or_default();
+        if outcome["outcome"] == "conflict" {
+            conflicts += 1;
+        }
+    }
     let mut report = DemoReport {
         tasks: n,
         dead_lettered: relay.queue.total_sent()? as usize,
         store_faults: flaky.calls_failed(),
+        conflicts,
         ..DemoReport::default()
     };
     for (r, _) in &tasks {

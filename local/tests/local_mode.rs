@@ -23,6 +23,7 @@ async fn the_demo_loses_nothing_and_its_table_matches_the_fake() -> anyhow::Resu
     assert_eq!(report.by_callback + report.by_poll + report.by_redrive, 45, "{}", report.table());
     assert!(report.by_poll > 0 && report.by_redrive > 0, "all three paths at work:\n{}", report.table());
     assert!(report.dead_lettered >= report.by_redrive, "{}", report.table());
+    assert_eq!(report.conflicts, 1, "the conflicting pingback was answered as a conflict:\n{}", report.table());
     Ok(())
 }
 
