@@ -69,7 +69,8 @@ async fn wait_healthy(http: &reqwest::Client, port: u16) -> anyhow::Result<()> {
 #[tokio::test(flavor = "multi_thread")]
 async fn sigkill_mid_run_then_restart_on_the_same_data_completes_every_task_once() -> anyhow::Result<()> {
     // The fake lives in this test process, so it outlives the relay it calls back.
-    let fake = FakeCaptchaAi::start(FakeConfig { solve_delay_ms: 1_500, ..FakeConfig::default() }).await?;
+    // Solved 4 s after submit: long after the 20 submits, so the pingbacks find the relay dead.
+    let fake = FakeCaptchaAi::start(FakeConfig { solve_delay_ms: 4_000, ..FakeConfig::default() }).await?;
     let (port, data, http) = (free_port(), tmp_dir(), reqwest::Client::new());
     let mut relay = spawn_relay(port, &data, &fake);
     wait_healthy(&http, port).await?;
@@ -92,7 +93,7 @@ async fn sigkill_mid_run_then_restart_on_the_same_data_completes_every_task_once
     // SIGKILL: no shutdown, no flush. The pingbacks that come now find nobody.
     relay.0.kill()?;
     relay.0.wait()?;
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    tokio::time::sleep(Duration::from_secs(6)).await;
     assert!(fake.counts().callbacks_failed > 0, "some pingbacks hit the dead relay");
 
     let _relay = spawn_relay(port, &data, &fake);
