@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # End to end with the real Lambda binaries under `cargo lambda watch` (no Docker), moto for
 # DynamoDB and SQS, resources from template.yaml. Called by infra/test.sh (which starts moto);
-# runnable alone with RELAY_TEST_SQS_ENDPOINT pointing at a moto server.
+# runnable alone (it then starts its own moto). Arguments go to relay-e2e:
+#   infra/e2e.sh                               200 tasks, the test command's run
+#   infra/e2e.sh --tasks 1000 --chaos --ban    the documented chaos run on this stack
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
+infra/tools.sh   # cargo-lambda (and zig) pinned in .venv
 export PATH="$root/.venv/bin:$PATH"   # cargo-lambda and zig, pinned in infra/requirements-dev.txt
 mkdir -p target
 .venv/bin/python - <<'PY'
@@ -14,4 +17,4 @@ json.dump(cfn_yaml.load("template.yaml"), open("target/template.json", "w"), def
 PY
 export RELAY_TEMPLATE_JSON="$root/target/template.json"
 cargo build --locked --bins -p relay-api -p relay-callback -p relay-poller -p relay-redrive -p relay-e2e
-target/debug/relay-e2e
+target/debug/relay-e2e "$@"

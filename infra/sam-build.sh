@@ -4,6 +4,7 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
+infra/tools.sh   # the SAM CLI, cargo-lambda and zig, pinned in .venv
 export PATH="$root/.venv/bin:$PATH" SAM_CLI_TELEMETRY=0
 rustup target list --installed | grep -qx aarch64-unknown-linux-gnu || rustup target add aarch64-unknown-linux-gnu
 # In source and uncached: copying or hashing target/ would cost more than the build.

@@ -8,6 +8,7 @@ export SAM_CLI_TELEMETRY=0  # no phoning home from the SAM CLI
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 infra/tools.sh
+mkdir -p target  # nothing may assume an earlier build made it
 
 port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()')"
 echo "==> starting moto server (SQS, and DynamoDB for the contract tests) on 127.0.0.1:$port"
@@ -31,15 +32,22 @@ echo "==> cargo test (unit, store on embedded DynamoDB, handlers, poller, dead l
 cargo test --workspace --all-targets --locked
 
 echo "==> store contract tests again, against moto's DynamoDB (the second engine)"
-RELAY_TEST_DYNAMODB_ENDPOINT="$RELAY_TEST_SQS_ENDPOINT" cargo test -p relay-shared --lib --locked store::
+# Not the race of 50 concurrent writes: moto evaluates a condition and then writes, without a
+# lock between the two, so two conditional writes can both win there (measured: 2 winners of 50).
+# DynamoDB and the embedded engine make the check and the write one step; the race runs on the
+# embedded engine above.
+RELAY_TEST_DYNAMODB_ENDPOINT="$RELAY_TEST_SQS_ENDPOINT" cargo test -p relay-shared --lib --locked store:: -- \
+  --skip store::tests::fifty_concurrent_deliveries_write_exactly_once
 
 echo "==> end to end: the real Lambda binaries under cargo lambda watch, moto, resources from template.yaml"
 infra/e2e.sh
 
-echo "==> template lint (cfn-lint, sam validate --lint)"
+echo "==> template lint (cfn-lint, the project's own template checks, sam validate --lint)"
 .venv/bin/cfn-lint template.yaml
+.venv/bin/python infra/check_template.py --self-test
+.venv/bin/python infra/check_template.py
 .venv/bin/sam validate --lint --region us-east-1
 
-echo "==> sam build (cargo-lambda, arm64, release)"
-infra/sam-build.sh
+# Not here: `infra/sam-build.sh` (the arm64 release build of all four functions, as a deploy
+# makes it) takes longer than every test together on 2 cores; it is its own documented command.
 echo "==> all tests and checks passed"

@@ -1,15 +1,27 @@
 #!/usr/bin/env bash
-# Installs the tools the tests need into the repo (pinned, idempotent): a Python venv at .venv
-# with infra/requirements-dev.txt. Rust crates come from Cargo.lock.
+# Installs the tools the tests need into the repo (pinned, idempotent, safe to run from several
+# processes at once): a Python venv at .venv with infra/requirements-dev.txt, or with only moto
+# (`infra/tools.sh moto`, what plain `cargo test` needs). Rust crates come from Cargo.lock.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$root/.venv"
-req="$root/infra/requirements-dev.txt"
-stamp="$venv/.installed-$(sha256sum "$req" | cut -c1-16)"
+case "${1:-all}" in
+  all) req="$root/infra/requirements-dev.txt" ;;
+  moto) req="$root/infra/requirements-moto.txt" ;;
+  *) echo "usage: infra/tools.sh [all|moto]" >&2; exit 2 ;;
+esac
+command -v python3 >/dev/null || { echo "python3 (3.9 or later) is required" >&2; exit 1; }
+stamp="$venv/.installed-$(cat "$req" "$root/infra/requirements-moto.txt" | sha256sum | cut -c1-16)-$(basename "$req" .txt)"
 if [ ! -f "$stamp" ]; then
-  echo "==> installing pinned Python tools into .venv"
-  python3 -m venv "$venv"
-  "$venv/bin/pip" install --quiet --disable-pip-version-check -r "$req"
-  touch "$stamp"
+  mkdir -p "$venv"
+  # One installer at a time: test processes may all ask for moto at once.
+  exec 9>"$venv/.lock"
+  flock 9
+  if [ ! -f "$stamp" ]; then
+    echo "==> installing pinned Python tools ($(basename "$req")) into .venv" >&2
+    [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+    "$venv/bin/pip" install --quiet --disable-pip-version-check -r "$req" >&2
+    touch "$stamp"
+  fi
 fi
 command -v cargo >/dev/null || { echo "cargo is required (https://rustup.rs)" >&2; exit 1; }

@@ -69,7 +69,7 @@ pub async fn run_demo(n: usize, data_dir: std::path::PathBuf, progress: bool) ->
     let cfg = LocalConfig {
         bind: "127.0.0.1:0".into(),
         data_dir,
-        callback_grace_secs: 5,
+        callback_grace_secs: Some(5),
         poll_interval_secs: 1,
         ..LocalConfig::default()
     };
@@ -112,19 +112,14 @@ pub async fn run_demo(n: usize, data_dir: std::path::PathBuf, progress: bool) ->
             }
             flaky.set_failing_matching(None);
         }
-        let v: serde_json::Value = http
-            .post(format!("{}/tasks", relay.base_url))
-            .bearer_auth(&relay.api_key)
-            .header("content-type", "application/json")
-            .body(kinds[i % kinds.len()])
-            .send()
-            .await?
-            .json()
+        let v = submit_politely(&http, &relay.base_url, &relay.api_key, kinds[i % kinds.len()], &format!("demo-{i}"))
             .await?;
         let r = TaskRef::parse(v["task_ref"].as_str().unwrap_or_default())
             .with_context(|| format!("submit answered {v}"))?;
         tasks.push((r, Instant::now()));
         submitting.inc(1);
+        // CaptchaAI bans more than 60 submits in 3 s (MAX_USER_TURN): keep them 80 ms apart (the relay paces 14 a second).
+        tokio::time::sleep(Duration::from_millis(80)).await;
     }
     flaky.set_failing_matching(None);
     submitting.finish();
@@ -210,4 +205,34 @@ async fn settle(fake: &fake_captchaai::FakeCaptchaAi) {
     while Instant::now() < until && !fake.tasks().iter().all(fake_captchaai::FakeTask::settled) {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// Submits as a careful client does: with an idempotency key, and on a 503 that says retrying is
+/// safe, again after its `Retry-After` with the same key (so a retry can never pay twice).
+pub async fn submit_politely(
+    http: &reqwest::Client,
+    base: &str,
+    api_key: &str,
+    body: &str,
+    idempotency_key: &str,
+) -> anyhow::Result<serde_json::Value> {
+    for _ in 0..10 {
+        let resp = http
+            .post(format!("{base}/tasks"))
+            .bearer_auth(api_key)
+            .header("content-type", "application/json")
+            .header("idempotency-key", idempotency_key)
+            .body(body.to_owned())
+            .send()
+            .await?;
+        let status = resp.status().as_u16();
+        let wait = resp.headers().get("retry-after").and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+        let v: serde_json::Value = resp.json().await?;
+        if matches!(status, 429 | 503) && v["error"]["retry_safe"] == true {
+            tokio::time::sleep(Duration::from_secs(wait.unwrap_or(5).min(30))).await;
+            continue;
+        }
+        return Ok(v);
+    }
+    anyhow::bail!("the relay kept answering 503")
 }

@@ -50,9 +50,11 @@ impl Relay {
                 auth: relay_shared::http::Authorizer::api_key(&p.api_key),
                 clock: p.clock.clone(),
                 callback_base_url: Some(p.callback_base_url),
-                callback_grace: relay_shared::config::CallbackGrace::uniform(std::time::Duration::from_secs(120)),
+                callback_grace: relay_shared::config::CallbackGrace::default(),
                 submit_attempts: 3,
                 submit_backoff: std::time::Duration::from_millis(200),
+                dead_letters: p.dead_letters.clone(),
+                submits_per_second: relay_api::SUBMITS_PER_SECOND,
             },
             callback: relay_callback::Deps { store: p.store, signer, clock: p.clock, dead_letters: p.dead_letters },
         }

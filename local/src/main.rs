@@ -2,6 +2,8 @@
 //!
 //!   relay-local serve [--config relay.json]     # API + callback on RELAY_BIND, poller, redrive
 //!   relay-local demo [--tasks 200]              # the three patterns at work; exit 1 if anything was lost
+//!   relay-local dead-letters list [--reveal]    # poisoned dead letters of RELAY_DATA_DIR
+//!   relay-local dead-letters redrive            # move them back to be applied again
 
 use std::path::PathBuf;
 
@@ -23,6 +25,13 @@ enum Cmd {
         #[arg(long)]
         config: Option<PathBuf>,
     },
+    /// Poisoned dead letters of a local relay's data directory (the operator command).
+    DeadLetters {
+        #[arg(long, env = "RELAY_DATA_DIR", default_value = "relay-data")]
+        data_dir: PathBuf,
+        #[command(subcommand)]
+        cmd: DeadLettersCmd,
+    },
     /// Run the demo scenario against the built-in fake CaptchaAI.
     Demo {
         #[arg(long, default_value_t = 200)]
@@ -31,6 +40,17 @@ enum Cmd {
         #[arg(long)]
         data_dir: Option<PathBuf>,
     },
+}
+
+#[derive(Subcommand)]
+enum DeadLettersCmd {
+    /// List the poisoned letters (solutions redacted unless --reveal).
+    List {
+        #[arg(long)]
+        reveal: bool,
+    },
+    /// Move every poisoned letter back to the queue; a running relay applies them again.
+    Redrive,
 }
 
 async fn shutdown_signal() {
@@ -76,8 +96,16 @@ async fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
         Cmd::Serve { config } => {
             let cfg = LocalConfig::load(config.as_deref(), &|k| std::env::var(k).ok())?;
             let relay = start(&cfg, Options::default()).await?;
+            let (_, from_file) = cfg.secrets()?;
             println!("relay listening on {} (data in {})", relay.base_url, cfg.data_dir.display());
-            println!("  POST {}/tasks   (Authorization: Bearer <RELAY_API_KEY>)", relay.base_url);
+            if relay.fake.is_some() {
+                // Against the built-in fake nothing is paid: show the key so it can be tried at once.
+                println!("  API key: {}", relay.api_key);
+            }
+            if from_file {
+                println!("  secrets not given are kept in {} (owner-only)", cfg.secrets_path().display());
+            }
+            println!("  POST {}/tasks   (Authorization: Bearer <API key>)", relay.base_url);
             println!("  GET  {}/tasks/{{ref}}", relay.base_url);
             println!("  GET  {}/health", relay.base_url);
             if relay.fake.is_some() {
@@ -88,6 +116,30 @@ async fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
             shutdown_signal().await;
             eprintln!("shutting down: finishing in-flight work");
             relay.shutdown().await;
+            Ok(std::process::ExitCode::SUCCESS)
+        }
+        Cmd::DeadLetters { data_dir, cmd } => {
+            let path = data_dir.join("dead-letters.sqlite");
+            anyhow::ensure!(path.exists(), "no dead-letter queue at {} (is RELAY_DATA_DIR right?)", path.display());
+            let clock: std::sync::Arc<dyn relay_shared::time::Clock> =
+                std::sync::Arc::new(relay_shared::time::SystemClock);
+            let queue = relay_local::queue::DiskQueue::open(&path, clock, std::time::Duration::from_secs(30), 5)?;
+            match cmd {
+                DeadLettersCmd::List { reveal } => {
+                    let listed = relay_local::run::list_poisoned(&queue, reveal)?;
+                    for (id, line) in &listed {
+                        println!("{id}  {line}");
+                    }
+                    eprintln!("{} poisoned letter(s); {} waiting in the queue", listed.len(), queue.depth()?);
+                }
+                DeadLettersCmd::Redrive => {
+                    let mut moved = 0;
+                    for (id, _) in queue.poisoned()? {
+                        moved += usize::from(queue.unpoison(id)?);
+                    }
+                    eprintln!("moved {moved} letter(s) back to the queue");
+                }
+            }
             Ok(std::process::ExitCode::SUCCESS)
         }
         Cmd::Demo { tasks, data_dir } => {

@@ -5,7 +5,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, bail};
 use fake_captchaai::{FakeCaptchaAi, FakeConfig};
@@ -19,6 +19,61 @@ use serde::Deserialize;
 use crate::queue::DiskQueue;
 use crate::{LocalParts, Relay};
 
+/// Values the README and earlier versions used as examples: never accepted with a real key.
+pub const PUBLISHED_DEFAULTS: [&str; 2] = ["local-dev-key", "local-dev-signing-secret"];
+
+/// The relay's own secrets, given or made.
+#[derive(Debug, Clone, serde::Serialize, Deserialize)]
+pub struct LocalSecrets {
+    pub api_key: String,
+    pub signing_secret: String,
+}
+
+impl LocalConfig {
+    /// Where secrets that were not given are kept.
+    pub fn secrets_path(&self) -> PathBuf {
+        self.data_dir.join("secrets.json")
+    }
+
+    /// The configured secrets; any not given come from `<data_dir>/secrets.json`, which is
+    /// created (owner-only) with random values the first time. Returns them and whether the file
+    /// was used.
+    pub fn secrets(&self) -> anyhow::Result<(LocalSecrets, bool)> {
+        if let (Some(api_key), Some(signing_secret)) = (&self.api_key, &self.signing_secret) {
+            return Ok((LocalSecrets { api_key: api_key.clone(), signing_secret: signing_secret.clone() }, false));
+        }
+        let path = self.secrets_path();
+        let stored: LocalSecrets = match std::fs::read_to_string(&path) {
+            Ok(text) => serde_json::from_str(&text).with_context(|| format!("{} is not valid", path.display()))?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let random = || format!("{}{}", uuid::Uuid::new_v4().simple(), uuid::Uuid::new_v4().simple());
+                let made = LocalSecrets { api_key: random(), signing_secret: random() };
+                write_private(&path, &serde_json::to_string_pretty(&made)?)?;
+                made
+            }
+            Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
+        };
+        Ok((
+            LocalSecrets {
+                api_key: self.api_key.clone().unwrap_or(stored.api_key),
+                signing_secret: self.signing_secret.clone().unwrap_or(stored.signing_secret),
+            },
+            true,
+        ))
+    }
+}
+
+/// Writes a file only its owner can read.
+fn write_private(path: &std::path::Path, text: &str) -> anyhow::Result<()> {
+    use std::io::Write;
+    let mut opts = std::fs::OpenOptions::new();
+    opts.write(true).create_new(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut opts, 0o600);
+    let mut f = opts.open(path).with_context(|| format!("cannot create {}", path.display()))?;
+    f.write_all(text.as_bytes()).and_then(|()| f.sync_all()).with_context(|| format!("cannot write {}", path.display()))
+}
+
 /// Settings of the local relay: from a JSON file, then the environment on top.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -27,10 +82,12 @@ pub struct LocalConfig {
     pub bind: String,
     /// Where the task table and the dead-letter queue are kept (`RELAY_DATA_DIR`).
     pub data_dir: PathBuf,
-    /// Bearer key for `/tasks` (`RELAY_API_KEY`).
-    pub api_key: String,
-    /// HMAC secret for callback paths (`CALLBACK_SIGNING_SECRET`).
-    pub signing_secret: String,
+    /// Bearer key for `/tasks` (`RELAY_API_KEY`). Unset: a random one, kept in
+    /// `<data_dir>/secrets.json`.
+    pub api_key: Option<String>,
+    /// HMAC secret for callback paths (`CALLBACK_SIGNING_SECRET`). Unset: a random one, kept in
+    /// `<data_dir>/secrets.json`.
+    pub signing_secret: Option<String>,
     /// A real CaptchaAI key (`CAPTCHAAI_API_KEY`); without it the built-in fake is used.
     pub captchaai_api_key: Option<String>,
     /// (`CAPTCHAAI_BASE_URL`)
@@ -41,7 +98,7 @@ pub struct LocalConfig {
     /// Seconds between poller ticks (`POLL_INTERVAL_SECS`).
     pub poll_interval_secs: u64,
     /// Seconds a callback gets before the poller reads res.php (`CALLBACK_GRACE_SECS`).
-    pub callback_grace_secs: u64,
+    pub callback_grace_secs: Option<u64>,
 }
 
 impl Default for LocalConfig {
@@ -49,13 +106,13 @@ impl Default for LocalConfig {
         Self {
             bind: "127.0.0.1:8080".into(),
             data_dir: PathBuf::from("relay-data"),
-            api_key: "local-dev-key".into(),
-            signing_secret: "local-dev-signing-secret".into(),
+            api_key: None,
+            signing_secret: None,
             captchaai_api_key: None,
             captchaai_base_url: "https://ocr.captchaai.com".into(),
             public_url: None,
             poll_interval_secs: 10,
-            callback_grace_secs: 120,
+            callback_grace_secs: None,
         }
     }
 }
@@ -81,10 +138,10 @@ impl LocalConfig {
             c.data_dir = v.into();
         }
         if let Some(v) = env("RELAY_API_KEY") {
-            c.api_key = v;
+            c.api_key = Some(v);
         }
         if let Some(v) = env("CALLBACK_SIGNING_SECRET") {
-            c.signing_secret = v;
+            c.signing_secret = Some(v);
         }
         if let Some(v) = env("CAPTCHAAI_API_KEY") {
             c.captchaai_api_key = Some(v);
@@ -99,7 +156,7 @@ impl LocalConfig {
             c.poll_interval_secs = num("POLL_INTERVAL_SECS", v)?;
         }
         if let Some(v) = env("CALLBACK_GRACE_SECS") {
-            c.callback_grace_secs = num("CALLBACK_GRACE_SECS", v)?;
+            c.callback_grace_secs = Some(num("CALLBACK_GRACE_SECS", v)?);
         }
         c.check()?;
         Ok(c)
@@ -109,16 +166,33 @@ impl LocalConfig {
         self.bind
             .parse::<SocketAddr>()
             .with_context(|| format!("bind `{}` is not an address like 127.0.0.1:8080", self.bind))?;
-        if self.api_key.trim().is_empty() {
-            bail!("api_key (RELAY_API_KEY) must not be empty");
+        if self.captchaai_api_key.is_some() {
+            // Anyone who has read the README knows these: with a real (paid) account behind the
+            // relay they would let strangers submit tasks or forge pingbacks.
+            for (name, value) in [
+                ("api_key (RELAY_API_KEY)", &self.api_key),
+                ("signing_secret (CALLBACK_SIGNING_SECRET)", &self.signing_secret),
+            ] {
+                if value.as_deref().is_some_and(|v| PUBLISHED_DEFAULTS.contains(&v.trim())) {
+                    bail!(
+                        "{name} is a published example value; with a real CaptchaAI key it would let anyone submit paid \
+                         tasks or forge results. Unset it (a random one is made and kept in the data dir) or choose your own"
+                    );
+                }
+            }
         }
-        if self.signing_secret.len() < 16 {
-            bail!("signing_secret (CALLBACK_SIGNING_SECRET) must be at least 16 characters");
+        if self.api_key.as_ref().is_some_and(|k| k.trim().len() < 16) {
+            bail!("api_key (RELAY_API_KEY) must be at least 16 characters (or unset: a random one is made)");
+        }
+        if self.signing_secret.as_ref().is_some_and(|s| s.len() < 16) {
+            bail!(
+                "signing_secret (CALLBACK_SIGNING_SECRET) must be at least 16 characters (or unset: a random one is made)"
+            );
         }
         if self.poll_interval_secs == 0 {
             bail!("poll_interval_secs (POLL_INTERVAL_SECS) must be at least 1");
         }
-        if self.callback_grace_secs < 5 {
+        if self.callback_grace_secs.is_some_and(|g| g < 5) {
             bail!("callback_grace_secs (CALLBACK_GRACE_SECS) must be at least 5 (the protocol's first-poll minimum)");
         }
         for (name, url) in
@@ -198,18 +272,20 @@ pub async fn start(cfg: &LocalConfig, opts: Options) -> anyhow::Result<Running> 
             (Some(fake), url, key, cfg.public_url.clone().unwrap_or_else(|| base_url.clone()))
         }
     };
-    let client = CaptchaAiClient::new(&cai_url, SecretString::from(cai_key), Duration::from_secs(15), None)?;
+    let client = CaptchaAiClient::new(&cai_url, SecretString::from(cai_key.clone()), Duration::from_secs(15), None)?;
+    let (secrets, _) = cfg.secrets()?;
     let mut relay = Relay::new(LocalParts {
         store: store.clone(),
         captchaai: client.clone(),
-        api_key: SecretString::from(cfg.api_key.clone()),
-        signing_secret: SecretString::from(cfg.signing_secret.clone()),
+        api_key: SecretString::from(secrets.api_key.clone()),
+        signing_secret: SecretString::from(secrets.signing_secret.clone()),
         callback_base_url: callback_base,
         clock: clock.clone(),
         dead_letters: Arc::new(queue.clone()),
     });
-    relay.api.callback_grace =
-        relay_shared::config::CallbackGrace::uniform(Duration::from_secs(cfg.callback_grace_secs));
+    if let Some(g) = cfg.callback_grace_secs {
+        relay.api.callback_grace = relay_shared::config::CallbackGrace::uniform(Duration::from_secs(g));
+    }
 
     let (stop, stop_rx) = tokio::sync::watch::channel(false);
     let mut workers = tokio::task::JoinSet::new();
@@ -222,10 +298,12 @@ pub async fn start(cfg: &LocalConfig, opts: Options) -> anyhow::Result<Running> 
             tracing::error!(event = "server_failed", error = %e);
         }
     });
+    let settings = relay_poller::PollerSettings::default();
     let poller = relay_poller::Deps {
         store: store.clone(),
-        captchaai: client,
-        settings: relay_poller::PollerSettings::default(),
+        // The poller plans its time around its own read timeout.
+        captchaai: CaptchaAiClient::new(&cai_url, SecretString::from(cai_key.clone()), settings.read_timeout, None)?,
+        settings,
         owner: "local".into(),
         dead_letters: Arc::new(queue.clone()),
     };
@@ -233,9 +311,16 @@ pub async fn start(cfg: &LocalConfig, opts: Options) -> anyhow::Result<Running> 
     let (mut rx, clock2) = (stop_rx.clone(), clock.clone());
     workers.spawn(async move {
         loop {
-            // A tick runs to completion (it is bounded by its own deadline) before shutdown.
-            let report = relay_poller::poll_once(&poller, clock2.now(), Instant::now() + every).await;
-            tracing::debug!(?report, "local poller tick");
+            // One invocation as the schedule would start it: it works through its minute while
+            // tasks fall due, and ends at once when none will. On shutdown it is dropped where
+            // it stands: its claims lapse with their leases and every read was counted.
+            let deadline = clock2.now().plus(Duration::from_secs(55));
+            tokio::select! {
+                report = relay_poller::run_invocation(&poller, clock2.clone(), deadline) => {
+                    tracing::debug!(?report, "local poller invocation");
+                }
+                _ = rx.wait_for(|s| *s) => break,
+            }
             tokio::select! {
                 _ = tokio::time::sleep(every) => {}
                 _ = rx.wait_for(|s| *s) => break,
@@ -253,7 +338,24 @@ pub async fn start(cfg: &LocalConfig, opts: Options) -> anyhow::Result<Running> 
             }
         }
     });
-    Ok(Running { base_url, store, queue, fake, flaky, api_key: cfg.api_key.clone(), stop, workers, _db: db })
+    Ok(Running { base_url, store, queue, fake, flaky, api_key: secrets.api_key, stop, workers, _db: db })
+}
+
+/// The poisoned dead letters of a local relay, one line each: the queue id and what the letter
+/// holds, its solution redacted unless `reveal` (what `relay-local dead-letters list` prints).
+pub fn list_poisoned(queue: &DiskQueue, reveal: bool) -> anyhow::Result<Vec<(i64, String)>> {
+    Ok(queue
+        .poisoned()?
+        .into_iter()
+        .map(|(id, body)| {
+            let line = match relay_shared::deadletter::DeadLetter::parse(&body) {
+                Ok(l) if reveal => format!("{l:?} code={}", l.code),
+                Ok(l) => format!("{l:?}"),
+                Err(e) => format!("unparseable ({e}; {} bytes)", body.len()),
+            };
+            (id, line)
+        })
+        .collect())
 }
 
 /// One pass of the redrive loop over the on-disk dead-letter queue.

@@ -41,7 +41,7 @@ fn spawn_relay(port: u16, data: &std::path::Path, fake: &FakeCaptchaAi) -> Relay
         .arg("serve")
         .env("RELAY_BIND", format!("127.0.0.1:{port}"))
         .env("RELAY_DATA_DIR", data)
-        .env("RELAY_API_KEY", "kill-test-key")
+        .env("RELAY_API_KEY", "kill-test-key-0123456789")
         .env("CALLBACK_SIGNING_SECRET", "kill-test-signing-secret")
         .env("CAPTCHAAI_API_KEY", fake.api_key())
         .env("CAPTCHAAI_BASE_URL", fake.base_url())
@@ -78,7 +78,7 @@ async fn sigkill_mid_run_then_restart_on_the_same_data_completes_every_task_once
     for _ in 0..20 {
         let v: serde_json::Value = http
             .post(format!("http://127.0.0.1:{port}/tasks"))
-            .bearer_auth("kill-test-key")
+            .bearer_auth("kill-test-key-0123456789")
             .header("content-type", "application/json")
             .body(r#"{"kind":"image","body":"iVBORw0KGgo="}"#)
             .send()
@@ -89,6 +89,8 @@ async fn sigkill_mid_run_then_restart_on_the_same_data_completes_every_task_once
             v["task_ref"].as_str().unwrap_or_default().to_owned(),
             v["captcha_id"].as_str().unwrap_or_default().to_owned(),
         ));
+        // The relay paces submits at 14 a second (CaptchaAI bans more than 60 in 3 s).
+        tokio::time::sleep(Duration::from_millis(80)).await;
     }
     // SIGKILL: no shutdown, no flush. The pingbacks that come now find nobody.
     relay.0.kill()?;
@@ -104,7 +106,7 @@ async fn sigkill_mid_run_then_restart_on_the_same_data_completes_every_task_once
         loop {
             let v: serde_json::Value = http
                 .get(format!("http://127.0.0.1:{port}/tasks/{r}"))
-                .bearer_auth("kill-test-key")
+                .bearer_auth("kill-test-key-0123456789")
                 .send()
                 .await?
                 .json()
@@ -131,11 +133,17 @@ fn serve_with(env: &[(&str, &str)]) -> std::process::Output {
 
 #[test]
 fn bad_config_and_a_taken_port_fail_fast_with_a_clear_message() {
-    let cases: [(&[(&str, &str)], &str); 4] = [
+    const REAL: (&str, &str) = ("CAPTCHAAI_API_KEY", "0123456789abcdef0123456789abcdef");
+    const PUBLIC: (&str, &str) = ("RELAY_PUBLIC_URL", "https://relay.example");
+    let cases: [(&[(&str, &str)], &str); 7] = [
         (&[("RELAY_BIND", "not-an-address")], "bind `not-an-address`"),
         (&[("CALLBACK_GRACE_SECS", "soon")], "CALLBACK_GRACE_SECS"),
         (&[("CALLBACK_GRACE_SECS", "1")], "at least 5"),
-        (&[("CAPTCHAAI_API_KEY", "0123456789abcdef0123456789abcdef")], "RELAY_PUBLIC_URL"),
+        (&[REAL], "RELAY_PUBLIC_URL"),
+        // A real (paid) account behind the published example secrets: refused before anything listens.
+        (&[REAL, PUBLIC, ("RELAY_API_KEY", "local-dev-key")], "RELAY_API_KEY) is a published example value"),
+        (&[REAL, PUBLIC, ("CALLBACK_SIGNING_SECRET", "local-dev-signing-secret")], "published example value"),
+        (&[("RELAY_API_KEY", "short")], "at least 16 characters"),
     ];
     for (env, needle) in cases {
         let out = serve_with(env);
@@ -156,4 +164,66 @@ fn bad_config_and_a_taken_port_fail_fast_with_a_clear_message() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2));
     assert!(err.contains("colour"), "unknown keys are named: {err}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn with_a_real_key_and_no_secrets_given_random_ones_are_made_kept_and_used() -> anyhow::Result<()> {
+    let fake = FakeCaptchaAi::start(FakeConfig::default()).await?;
+    let (port, data, http) = (free_port(), tmp_dir(), reqwest::Client::new());
+    let child = Command::new(env!("CARGO_BIN_EXE_relay-local"))
+        .arg("serve")
+        .env("RELAY_BIND", format!("127.0.0.1:{port}"))
+        .env("RELAY_DATA_DIR", &data)
+        .env("CAPTCHAAI_API_KEY", fake.api_key())
+        .env("CAPTCHAAI_BASE_URL", fake.base_url())
+        .env("RELAY_PUBLIC_URL", format!("http://127.0.0.1:{port}"))
+        .env_remove("RELAY_API_KEY")
+        .env_remove("CALLBACK_SIGNING_SECRET")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let mut relay = Relay(child);
+    wait_healthy(&http, port).await?;
+    let path = data.join("secrets.json");
+    let secrets: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path)?)?;
+    let key = secrets["api_key"].as_str().unwrap_or_default().to_owned();
+    assert_eq!(key.len(), 64, "a long random key: {secrets}");
+    assert!(!relay_local::run::PUBLISHED_DEFAULTS.contains(&key.as_str()));
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(std::fs::metadata(&path)?.permissions().mode() & 0o777, 0o600, "owner-only");
+    }
+    let submit = |bearer: String| {
+        http.post(format!("http://127.0.0.1:{port}/tasks"))
+            .bearer_auth(bearer)
+            .header("content-type", "application/json")
+            .body(r#"{"kind":"image","body":"iVBORw0KGgo="}"#)
+            .send()
+    };
+    assert_eq!(submit("local-dev-key".into()).await?.status(), 403, "the old example key opens nothing");
+    assert_eq!(submit(key.clone()).await?.status(), 202, "the generated key works");
+    // Where the secrets are is printed; with a real key, the key itself is not. The banner is
+    // printed after start-up returns, so on a loaded machine it can come after our requests were
+    // answered: read it up to its last line (the health URL) before stopping the relay.
+    let stdout = relay.0.stdout.take().expect("piped stdout");
+    let banner = tokio::task::spawn_blocking(move || {
+        use std::io::BufRead;
+        let mut out = String::new();
+        for line in std::io::BufReader::new(stdout).lines() {
+            let line = line?;
+            out.push_str(&line);
+            out.push('\n');
+            if line.trim_end().ends_with("/health") {
+                break;
+            }
+        }
+        Ok::<_, std::io::Error>(out)
+    });
+    let out = tokio::time::timeout(Duration::from_secs(60), banner).await???;
+    relay.0.kill()?;
+    relay.0.wait()?;
+    assert!(out.contains(&path.display().to_string()), "{out}");
+    assert!(!out.contains(&key), "the key is not printed when a real account is behind it: {out}");
+    Ok(())
 }

@@ -239,6 +239,9 @@ pub enum CaptchaAiError {
     Http(u16),
     #[error("CaptchaAI answered something that is not a protocol answer: {0}")]
     NotAnAnswer(String),
+    /// A batch read (`ids=`) answered with a different number of parts than ids.
+    #[error("CaptchaAI's batch answer does not match the request: {0}")]
+    BatchShape(String),
     #[error("CaptchaAI did not answer in time")]
     Timeout,
     #[error("could not connect to CaptchaAI: {0}")]
@@ -257,10 +260,27 @@ impl CaptchaAiError {
         }
     }
 
-    /// Whether CaptchaAI may have accepted the request even though we saw an error. A submit
-    /// with this outcome must not be called failed, and retrying it could pay twice.
+    /// Whether this answer to a batch read (`ids=`) says the server does not take the batch form:
+    /// a wrong part count, or a request-level code a server gives when it ignores `ids=` (it sees
+    /// no `id`). Transient trouble (timeouts, 5xx, bans) never means that.
+    pub fn batch_unsupported(&self) -> bool {
+        match self {
+            Self::BatchShape(_) => true,
+            Self::Code(c) => matches!(
+                c.as_ref(),
+                "ERROR_WRONG_CAPTCHA_ID" | "ERROR_WRONG_ID_FORMAT" | "ERROR_EMPTY_ACTION" | "ERROR_BAD_PARAMETERS"
+            ),
+            _ => false,
+        }
+    }
+
+    /// Whether CaptchaAI may have accepted the request even though we saw an error: anything but
+    /// an explicit protocol answer, or a connection that never opened. A timeout, a connection
+    /// cut after the request went out, an HTTP error or an HTML page (a CDN answers 502 after the
+    /// origin took the task) prove nothing. A submit with this outcome must not be called failed,
+    /// and sending it again could pay twice.
     pub fn outcome_unknown(&self) -> bool {
-        matches!(self, Self::Timeout | Self::Transport(_))
+        !matches!(self, Self::Code(_) | Self::Connect(_))
     }
 
     /// The code to show and store: the CaptchaAI code, or a relay code for transport trouble.
@@ -269,6 +289,7 @@ impl CaptchaAiError {
             Self::Code(c) => c.as_ref().to_owned(),
             Self::Http(s) => format!("HTTP_{s}"),
             Self::NotAnAnswer(_) => "NOT_AN_ANSWER".into(),
+            Self::BatchShape(_) => "BATCH_SHAPE".into(),
             Self::Timeout => "TIMEOUT".into(),
             Self::Connect(_) => "CONNECT_FAILED".into(),
             Self::Transport(_) => "TRANSPORT_FAILED".into(),
@@ -324,6 +345,10 @@ pub fn parse_answer(http_status: u16, body: &str) -> Result<RawAnswer, CaptchaAi
         };
         let request = json_text(&j.request)
             .ok_or_else(|| CaptchaAiError::NotAnAnswer("JSON answer without a `request` text".into()))?;
+        if !ok && request.trim().is_empty() {
+            // A refusal must name its code; without one it proves nothing (found by fuzzing).
+            return Err(CaptchaAiError::NotAnAnswer("JSON refusal without a code".into()));
+        }
         return Ok(if ok { RawAnswer::Ok(request) } else { RawAnswer::Code(request) });
     }
     if http_status >= 400 {
@@ -455,7 +480,7 @@ pub fn split_batch(raw: RawAnswer, count: usize) -> Result<Vec<ResAnswer>, Captc
     };
     let parts: Vec<&str> = text.split('|').collect();
     if parts.len() != count {
-        return Err(CaptchaAiError::NotAnAnswer(format!("batch answer has {} parts for {count} ids", parts.len())));
+        return Err(CaptchaAiError::BatchShape(format!("{} parts for {count} ids", parts.len())));
     }
     parts
         .into_iter()
@@ -498,6 +523,11 @@ mod tests {
         assert_eq!(parse_answer(200, "ERROR_NO_SLOT_AVAILABLE"), Ok(RawAnswer::Code("ERROR_NO_SLOT_AVAILABLE".into())));
         assert_eq!(parse_answer(200, "CAPCHA_NOT_READY"), Ok(RawAnswer::Code("CAPCHA_NOT_READY".into())));
         assert_eq!(parse_answer(200, "ERROR: 1005"), Ok(RawAnswer::Code("ERROR: 1005".into())));
+        // A refusal without a code proves nothing: outcome unknown, not a code "" (fuzzing).
+        for empty in [r#"{"status":0,"request":""}"#, r#"{"status":0,"request":"  "}"#] {
+            let e = parse_answer(200, empty).expect_err(empty);
+            assert!(e.outcome_unknown(), "{empty}: {e}");
+        }
     }
 
     #[test]
@@ -508,8 +538,18 @@ mod tests {
         assert_eq!(html.class(), CodeClass::Transient);
         assert_eq!(CaptchaAiError::Http(503).class(), CodeClass::Transient);
         assert_eq!(CaptchaAiError::Timeout.class(), CodeClass::Transient);
-        assert!(CaptchaAiError::Timeout.outcome_unknown());
-        assert!(!CaptchaAiError::Connect("refused".into()).outcome_unknown());
+        for unknown in [
+            CaptchaAiError::Timeout,
+            CaptchaAiError::Transport("connection closed before message completed".into()),
+            CaptchaAiError::Http(502),
+            CaptchaAiError::Http(520),
+            CaptchaAiError::NotAnAnswer("an HTML page (120 bytes)".into()),
+        ] {
+            assert!(unknown.outcome_unknown(), "{unknown}: proves nothing about the submit");
+        }
+        assert!(!CaptchaAiError::Connect("refused".into()).outcome_unknown(), "never sent");
+        let refused = CaptchaAiError::Code(ErrorCode::parse("ERROR_PAGEURL").expect("code"));
+        assert!(!refused.outcome_unknown(), "an explicit answer");
     }
 
     #[test]

@@ -131,11 +131,36 @@ pub fn is_error_code(code: &str) -> bool {
 
 /// How long to wait before asking again after a transient code.
 pub fn retry_after_secs(code: &str) -> u64 {
-    match code {
-        "IP_BANNED" => 300,
-        "MAX_USER_TURN" => 10,
-        c if c.starts_with("ERROR: 100") => 600,
-        _ => 5,
+    ban(code).map_or(5, |b| b.duration.as_secs())
+}
+
+/// A code that stops traffic for a while: an IP or account suspension, a rate ban, or a key
+/// the service does not accept. Every further request extends or repeats it, so the relay stops
+/// ALL CaptchaAI traffic (the account-wide breaker) for `duration`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ban {
+    pub duration: std::time::Duration,
+    /// A key or account problem: only an operator can end it; `duration` is the long back-off
+    /// after which one request tries again.
+    pub needs_operator: bool,
+}
+
+/// The ban a code means, with its documented duration (`ERROR: 1001`–`1005` per the protocol's
+/// rate-limit table; `ERROR: 1005` is "5–10 min", so 10).
+pub fn ban(code: &str) -> Option<Ban> {
+    let secs = |s: u64| Some(Ban { duration: std::time::Duration::from_secs(s), needs_operator: false });
+    match code.trim() {
+        "IP_BANNED" => secs(300),
+        "MAX_USER_TURN" => secs(10),
+        "ERROR: 1001" => secs(600),
+        "ERROR: 1002" => secs(300),
+        "ERROR: 1003" => secs(30),
+        "ERROR: 1004" | "ERROR: 1005" => secs(600),
+        c if c.starts_with("ERROR: 100") => secs(600),
+        "ERROR_KEY_DOES_NOT_EXIST" | "ERROR_WRONG_USER_KEY" | "ERROR_IP_NOT_ALLOWED" => {
+            Some(Ban { duration: std::time::Duration::from_secs(3_600), needs_operator: true })
+        }
+        _ => None,
     }
 }
 
@@ -172,6 +197,21 @@ mod tests {
     fn retry_after_follows_the_documented_bans() {
         assert_eq!(retry_after_secs("IP_BANNED"), 300);
         assert_eq!(retry_after_secs("MAX_USER_TURN"), 10);
+        assert_eq!(retry_after_secs("ERROR: 1003"), 30);
+        assert_eq!(retry_after_secs("ERROR: 1005"), 600);
         assert_eq!(retry_after_secs("ERROR_NO_SLOT_AVAILABLE"), 5);
+    }
+
+    #[test]
+    fn bans_and_key_errors_stop_traffic_other_codes_do_not() {
+        for code in ["IP_BANNED", "MAX_USER_TURN", "ERROR: 1001", "ERROR: 1002", "ERROR: 1004", "ERROR: 1005"] {
+            assert!(ban(code).is_some_and(|b| !b.needs_operator), "{code}");
+        }
+        for code in ["ERROR_KEY_DOES_NOT_EXIST", "ERROR_WRONG_USER_KEY"] {
+            assert!(ban(code).is_some_and(|b| b.needs_operator && b.duration.as_secs() >= 3_600), "{code}");
+        }
+        for code in ["ERROR_NO_SLOT_AVAILABLE", "ERROR_CAPTCHA_UNSOLVABLE", "CAPCHA_NOT_READY", "ERROR_SERVER_ERROR"] {
+            assert_eq!(ban(code), None, "{code}");
+        }
     }
 }

@@ -138,11 +138,14 @@ impl CaptchaAiConfig {
     }
 }
 
-/// How long a callback gets before the poller reads res.php: one default, overridable per
-/// captcha kind (`CALLBACK_GRACE_SECS_TURNSTILE=60`, …). Never under the protocol's 5 s.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// How long a callback gets before the poller reads res.php. By default per kind, derived from
+/// its solve time ([`CaptchaKind::first_read_after`]: image 25 s, Turnstile 20 s, reCAPTCHA and
+/// hCaptcha 65 s); `CALLBACK_GRACE_SECS` sets one value for every kind, and
+/// `CALLBACK_GRACE_SECS_<KIND>` one kind's. Never under the protocol's 5 s.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct CallbackGrace {
-    default: Duration,
+    /// `None`: each kind's own default.
+    default: Option<Duration>,
     per_kind: Vec<(CaptchaKind, Duration)>,
 }
 
@@ -150,7 +153,7 @@ impl CallbackGrace {
     pub const MIN: Duration = Duration::from_secs(5);
 
     pub fn uniform(d: Duration) -> Self {
-        Self { default: d.max(Self::MIN), per_kind: Vec::new() }
+        Self { default: Some(d.max(Self::MIN)), per_kind: Vec::new() }
     }
 
     #[must_use]
@@ -161,7 +164,12 @@ impl CallbackGrace {
     }
 
     pub fn for_kind(&self, kind: CaptchaKind) -> Duration {
-        self.per_kind.iter().find(|(k, _)| *k == kind).map_or(self.default, |(_, d)| *d)
+        self.per_kind
+            .iter()
+            .find(|(k, _)| *k == kind)
+            .map(|(_, d)| *d)
+            .or(self.default)
+            .unwrap_or_else(|| kind.first_read_after())
     }
 
     pub fn from_settings(s: &Settings) -> Result<Self, ConfigError> {
@@ -175,7 +183,10 @@ impl CallbackGrace {
             }
             Ok(Duration::from_secs(v))
         };
-        let mut grace = Self::uniform(secs("CALLBACK_GRACE_SECS", 120)?);
+        let mut grace = match s.optional("CALLBACK_GRACE_SECS") {
+            Some(_) => Self::uniform(secs("CALLBACK_GRACE_SECS", 0)?),
+            None => Self::default(),
+        };
         for kind in CaptchaKind::ALL {
             let name = format!("CALLBACK_GRACE_SECS_{}", kind.as_str().to_ascii_uppercase());
             if s.optional(&name).is_some() {
@@ -282,7 +293,9 @@ mod tests {
         assert_eq!(c.store.retention, Duration::from_secs(7 * 86_400));
         assert_eq!(c.captchaai.base_url, "https://ocr.captchaai.com");
         assert_eq!(c.callback_base_url.as_deref(), Some("https://cb.example"));
-        assert_eq!(c.callback_grace.for_kind(CaptchaKind::Turnstile), Duration::from_secs(120));
+        assert_eq!(c.callback_grace.for_kind(CaptchaKind::Turnstile), Duration::from_secs(20), "from its solve time");
+        assert_eq!(c.callback_grace.for_kind(CaptchaKind::RecaptchaV2), Duration::from_secs(65));
+        assert_eq!(c.callback_grace.for_kind(CaptchaKind::Image), Duration::from_secs(25));
         assert!(matches!(c.auth, AuthMode::ApiKey(SecretSource::Inline(_))));
     }
 

@@ -11,6 +11,12 @@
 //! ```
 //!
 //! `code` carries the solution itself (the queue is encrypted at rest); never log a body.
+//!
+//! A second kind (`"kind":"submitted"`, same schema version: the field is absent, and means
+//! `result`, in earlier letters) keeps in.php's id for a task when storing it failed, so the id
+//! is never lost: `captcha_id`, `received_at_ms` (when in.php accepted it) and `poll_due_at_ms`;
+//! `code` is empty. The redrive function stores it (submitting → pending), and the poller can
+//! then read the task.
 
 use std::fmt;
 
@@ -40,6 +46,25 @@ pub struct DeadLetter {
     pub error: String,
     /// Store attempts so far (the SDK's own retries count as one).
     pub attempts: u32,
+    /// `result` (a result to apply) or `submitted` (in.php's id for a task, to store).
+    #[serde(default = "result_kind")]
+    pub kind: String,
+    /// For `submitted`: when the poller should first read the task.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub poll_due_at_ms: Option<u64>,
+}
+
+fn result_kind() -> String {
+    "result".into()
+}
+
+/// What a dead letter asks for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Letter {
+    /// Apply this result to the task.
+    Result { task_ref: TaskRef, delivery: Delivery },
+    /// In.php accepted the task under `captcha_id` at `accepted_at`: store it.
+    Submitted { task_ref: TaskRef, captcha_id: CaptchaId, accepted_at: Timestamp, poll_due_at: Timestamp },
 }
 
 impl fmt::Debug for DeadLetter {
@@ -76,6 +101,43 @@ impl DeadLetter {
             via: d.via.as_str().to_owned(),
             error: error.to_owned(),
             attempts,
+            kind: result_kind(),
+            poll_due_at_ms: None,
+        }
+    }
+
+    /// In.php accepted `task_ref` under `id` at `at`, and storing that failed.
+    pub fn submitted(task_ref: &TaskRef, id: &CaptchaId, at: Timestamp, poll_due_at: Timestamp, error: &str) -> Self {
+        Self {
+            schema_version: SCHEMA_VERSION,
+            task_ref: task_ref.to_string(),
+            captcha_id: id.to_string(),
+            code: String::new(),
+            received_at_ms: at.as_millis(),
+            received_at: at.to_rfc3339(),
+            token_clock_start_ms: at.as_millis(),
+            via: Via::Submit.as_str().to_owned(),
+            error: error.to_owned(),
+            attempts: 1,
+            kind: "submitted".into(),
+            poll_due_at_ms: Some(poll_due_at.as_millis()),
+        }
+    }
+
+    /// What the letter asks for; a result is re-applied by `via` (the redrive).
+    pub fn letter(&self, via: Via) -> Result<Letter, ParseError> {
+        match self.kind.as_str() {
+            "result" => self.delivery_via(via).map(|(task_ref, delivery)| Letter::Result { task_ref, delivery }),
+            "submitted" => Ok(Letter::Submitted {
+                task_ref: TaskRef::parse(&self.task_ref)?,
+                captcha_id: CaptchaId::parse(&self.captcha_id)?,
+                accepted_at: Timestamp::from_millis(self.received_at_ms),
+                poll_due_at: Timestamp::from_millis(
+                    self.poll_due_at_ms
+                        .ok_or_else(|| ParseError("a `submitted` letter needs `poll_due_at_ms`".into()))?,
+                ),
+            }),
+            other => Err(ParseError(format!("unknown dead-letter kind `{other}`"))),
         }
     }
 
@@ -89,7 +151,7 @@ impl DeadLetter {
         if dl.schema_version != SCHEMA_VERSION {
             return Err(ParseError(format!("unsupported dead-letter schema version {}", dl.schema_version)));
         }
-        dl.delivery()?;
+        dl.letter(Via::Redrive)?;
         Ok(dl)
     }
 
@@ -274,6 +336,27 @@ mod tests {
             assert!(v.get(field).is_some(), "missing {field}");
         }
         assert!(!format!("{dl:?}").contains("tok-secret"));
+    }
+
+    #[test]
+    fn a_submitted_letter_keeps_the_id_and_older_letters_are_results() {
+        let r = TaskRef::generate();
+        let id = CaptchaId::parse("71000009").expect("id");
+        let (at, due) = (Timestamp::from_millis(1_000), Timestamp::from_millis(26_000));
+        let dl = DeadLetter::submitted(&r, &id, at, due, "store down");
+        let back = DeadLetter::parse(&dl.to_json()).expect("parses");
+        assert_eq!(
+            back.letter(Via::Redrive).expect("valid"),
+            Letter::Submitted { task_ref: r.clone(), captcha_id: id, accepted_at: at, poll_due_at: due }
+        );
+        // A letter written before `kind` existed is a result.
+        let mut old: serde_json::Value =
+            serde_json::from_str(&DeadLetter::new(&r, &delivery("tok"), "e", 1).to_json()).expect("json");
+        old.as_object_mut().map(|o| o.remove("kind"));
+        let parsed = DeadLetter::parse(&old.to_string()).expect("old letters still parse");
+        assert!(matches!(parsed.letter(Via::Redrive), Ok(Letter::Result { .. })));
+        old["kind"] = "mystery".into();
+        assert!(DeadLetter::parse(&old.to_string()).is_err());
     }
 
     #[test]

@@ -29,6 +29,11 @@ impl TaskRef {
         Self(format!("{}{}", Self::PREFIX, uuid::Uuid::new_v4().simple()))
     }
 
+    /// From 32 lowercase hex digits (a digest's, say).
+    pub(crate) fn from_hex(hex32: &str) -> Self {
+        Self(format!("{}{hex32}", Self::PREFIX))
+    }
+
     pub fn parse(s: &str) -> Result<Self, ParseError> {
         let hex =
             s.strip_prefix(Self::PREFIX).ok_or_else(|| ParseError("task reference must start with `tsk_`".into()))?;
@@ -140,6 +145,10 @@ impl Solution {
         if s.len() > Self::MAX_LEN {
             return Err(ParseError(format!("solution is longer than {} bytes", Self::MAX_LEN)));
         }
+        // No token or image answer holds a control character; one that does is not a result.
+        if s.chars().any(char::is_control) {
+            return Err(ParseError("solution holds a control character".into()));
+        }
         Ok(Self(s.to_owned()))
     }
 
@@ -196,6 +205,24 @@ impl CaptchaKind {
             Self::Turnstile => Some(Duration::from_secs(300)),
             Self::Image => None,
         }
+    }
+
+    /// The typical solve time (the protocol's figures: image 5–20 s, Turnstile 10–15 s,
+    /// reCAPTCHA 15–60 s; hCaptcha is not given and is taken as reCAPTCHA's).
+    pub fn typical_solve_time(self) -> (Duration, Duration) {
+        let secs = |a, b| (Duration::from_secs(a), Duration::from_secs(b));
+        match self {
+            Self::Image => secs(5, 20),
+            Self::Turnstile => secs(10, 15),
+            Self::RecaptchaV2 | Self::RecaptchaV3 | Self::RecaptchaEnterprise | Self::Hcaptcha => secs(15, 60),
+        }
+    }
+
+    /// When the fallback poller first reads a task that got no callback: 5 s after a typical
+    /// solve is done. While callbacks work they have arrived by then (so reads stay rare), and a
+    /// token recovered then is young: at most this long old, well inside its lifetime.
+    pub fn first_read_after(self) -> Duration {
+        self.typical_solve_time().1 + Duration::from_secs(5)
     }
 
     /// After this long without an answer CaptchaAI gives up (`ERROR_CAPTCHA_UNSOLVABLE`).
@@ -262,17 +289,23 @@ pub struct Delivery {
     pub outcome: Outcome,
     pub received_at: Timestamp,
     pub via: Via,
-    /// The earliest moment the token can have been issued, for the freshness clock. A callback
-    /// comes right after the solve, so it is `received_at`; a poll cannot tell when the solve
-    /// happened, so it is the last moment res.php still said "not ready" (or the submit).
+    /// The earliest moment the token can have been issued, as far as this path knows: the
+    /// freshness clock starts there, so a token is never handed out older than its lifetime. A
+    /// poll knows the last moment res.php still said "not ready" (or the submit); a pingback
+    /// knows nothing — it may have been delayed — so it says 0 and the task's creation bounds it.
     pub token_clock_start: Timestamp,
 }
 
 /// Where a task is in its life.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TaskState {
-    /// Recorded, in.php not (yet) confirmed.
-    Submitting,
+    /// Recorded, in.php not (yet) confirmed. `unknown`: in.php was called but its answer does
+    /// not say whether it took the task (a timeout, a cut connection, a 5xx or HTML page): it
+    /// may be solved — its pingback, which carries our reference, will say — and is never
+    /// called failed, nor submitted again by the relay.
+    Submitting {
+        unknown: Option<String>,
+    },
     /// In.php accepted it; waiting for the callback or the poller.
     Pending {
         submitted_at: Timestamp,
@@ -293,13 +326,25 @@ pub enum TaskState {
     Expired {
         reason: String,
         resolved_at: Timestamp,
+        /// A result that arrived after the task was expired: paid for, so kept and shown, never
+        /// silently dropped.
+        late: Option<LateResult>,
     },
+}
+
+/// A result that arrived after its task had been expired.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LateResult {
+    pub outcome: Outcome,
+    pub received_at: Timestamp,
+    pub via: Via,
+    pub token_clock_start: Timestamp,
 }
 
 impl TaskState {
     pub fn name(&self) -> &'static str {
         match self {
-            Self::Submitting => "submitting",
+            Self::Submitting { .. } => "submitting",
             Self::Pending { .. } => "pending",
             Self::Solved { .. } => "solved",
             Self::Failed { .. } => "failed",
@@ -321,6 +366,10 @@ pub struct Task {
     /// Known once in.php answered, or once a callback carried it (whichever came first).
     pub captcha_id: Option<CaptchaId>,
     pub state: TaskState,
+    /// When the owner was first shown the task's result (a solution or CaptchaAI's verdict).
+    /// From then on the result never changes; before, a different result *received* earlier
+    /// than the recorded one replaces it (first received wins, not first stored).
+    pub handed_out_at: Option<Timestamp>,
 }
 
 /// A transition that the current state does not allow.
@@ -339,19 +388,37 @@ pub enum Applied {
     Recorded(Task),
     /// The task already has this very result: nothing to write.
     Duplicate,
-    /// The task already has a different result; the first one stays.
+    /// The task already has a different result, received no later than this one or already
+    /// shown to the owner: it stays.
     Conflict,
+    /// The task had a different result, received *after* this one and not yet shown to the owner:
+    /// this one replaces it. CaptchaAI's first answer wins even when a retry (the dead-letter
+    /// queue) stored it second.
+    Replaced(Task),
+    /// The task already has this result, but this delivery received it earlier: the receipt time
+    /// moves back to it, so a later-received different result can never displace it.
+    Earlier(Task),
+    /// The task had been expired before this result arrived: the result is kept on it as a late
+    /// result (the task stays expired).
+    Late(Task),
 }
 
 impl Task {
     pub fn new(task_ref: TaskRef, kind: CaptchaKind, now: Timestamp) -> Self {
-        Self { task_ref, kind, created_at: now, captcha_id: None, state: TaskState::Submitting }
+        Self {
+            task_ref,
+            kind,
+            created_at: now,
+            captcha_id: None,
+            state: TaskState::Submitting { unknown: None },
+            handed_out_at: None,
+        }
     }
 
     /// In.php accepted the task under `id`.
     pub fn submitted(self, id: CaptchaId, now: Timestamp) -> Result<Self, TransitionError> {
         match self.state {
-            TaskState::Submitting => {
+            TaskState::Submitting { .. } => {
                 Ok(Self { captcha_id: Some(id), state: TaskState::Pending { submitted_at: now }, ..self })
             }
             ref other => Err(TransitionError::NotAllowed { from: other.name(), action: "mark submitted" }),
@@ -366,7 +433,7 @@ impl Task {
         now: Timestamp,
     ) -> Result<Self, TransitionError> {
         match self.state {
-            TaskState::Submitting => {
+            TaskState::Submitting { .. } => {
                 Ok(Self { state: TaskState::Failed { code, detail, resolved_at: now, via: Via::Submit }, ..self })
             }
             ref other => Err(TransitionError::NotAllowed { from: other.name(), action: "fail the submit" }),
@@ -380,21 +447,30 @@ impl Task {
         {
             return Err(TransitionError::IdMismatch { expected: expected.clone(), got: d.captcha_id });
         }
+        let takes_result = match &self.state {
+            TaskState::Submitting { .. } | TaskState::Pending { .. } => true,
+            // A result proves in.php accepted the task after all: it was paid for, so it counts.
+            TaskState::Failed { via: Via::Submit, .. } => true,
+            // Received before the task was expired, stored after: still the task's result.
+            TaskState::Expired { resolved_at, .. } => d.received_at <= *resolved_at,
+            TaskState::Solved { .. } | TaskState::Failed { .. } => false,
+        };
+        if takes_result {
+            return Ok(Applied::Recorded(self.with_result(d)));
+        }
+        if let TaskState::Solved { resolved_at, .. } | TaskState::Failed { resolved_at, .. } = &self.state
+            && self.handed_out_at.is_none()
+            && d.received_at < *resolved_at
+        {
+            let same = match (&self.state, &d.outcome) {
+                (TaskState::Solved { solution, .. }, Outcome::Solved(s)) => s == solution,
+                (TaskState::Failed { code, .. }, Outcome::Failed(c)) => c == code,
+                _ => false,
+            };
+            let next = self.with_result(d);
+            return Ok(if same { Applied::Earlier(next) } else { Applied::Replaced(next) });
+        }
         match &self.state {
-            TaskState::Submitting | TaskState::Pending { .. } => {
-                let state = match d.outcome {
-                    Outcome::Solved(solution) => TaskState::Solved {
-                        solution,
-                        resolved_at: d.received_at,
-                        via: d.via,
-                        token_clock_start: d.token_clock_start,
-                    },
-                    Outcome::Failed(code) => {
-                        TaskState::Failed { code, detail: None, resolved_at: d.received_at, via: d.via }
-                    }
-                };
-                Ok(Applied::Recorded(Self { captcha_id: Some(d.captcha_id), state, ..self }))
-            }
             TaskState::Solved { solution, .. } => Ok(match d.outcome {
                 Outcome::Solved(s) if s == *solution => Applied::Duplicate,
                 _ => Applied::Conflict,
@@ -403,19 +479,59 @@ impl Task {
                 Outcome::Failed(c) if c == *code => Applied::Duplicate,
                 _ => Applied::Conflict,
             }),
-            // A result after the deadline is not applied: the caller has been told "expired".
-            TaskState::Expired { .. } => Ok(Applied::Conflict),
+            TaskState::Expired { late: Some(l), .. } => {
+                Ok(if l.outcome == d.outcome { Applied::Duplicate } else { Applied::Conflict })
+            }
+            TaskState::Expired { reason, resolved_at, late: None } => {
+                let late = LateResult {
+                    outcome: d.outcome,
+                    received_at: d.received_at,
+                    via: d.via,
+                    token_clock_start: d.token_clock_start.max(self.created_at),
+                };
+                let state = TaskState::Expired { reason: reason.clone(), resolved_at: *resolved_at, late: Some(late) };
+                Ok(Applied::Late(Self { captcha_id: Some(d.captcha_id), state, ..self }))
+            }
+            TaskState::Submitting { .. } | TaskState::Pending { .. } => {
+                Err(TransitionError::NotAllowed { from: self.state.name(), action: "classify a result" })
+            }
         }
+    }
+
+    /// The task with `d` as its result (the caller checked that it takes one).
+    fn with_result(self, d: Delivery) -> Self {
+        let state = match d.outcome {
+            Outcome::Solved(solution) => TaskState::Solved {
+                solution,
+                resolved_at: d.received_at,
+                via: d.via,
+                token_clock_start: d.token_clock_start.max(self.created_at),
+            },
+            Outcome::Failed(code) => TaskState::Failed { code, detail: None, resolved_at: d.received_at, via: d.via },
+        };
+        Self { captcha_id: Some(d.captcha_id), state, ..self }
     }
 
     /// No answer came before the deadline.
     pub fn expire(self, reason: String, now: Timestamp) -> Result<Self, TransitionError> {
         match self.state {
-            TaskState::Submitting | TaskState::Pending { .. } => {
-                Ok(Self { state: TaskState::Expired { reason, resolved_at: now }, ..self })
+            TaskState::Submitting { .. } | TaskState::Pending { .. } => {
+                Ok(Self { state: TaskState::Expired { reason, resolved_at: now, late: None }, ..self })
             }
             ref other => Err(TransitionError::NotAllowed { from: other.name(), action: "expire" }),
         }
+    }
+
+    /// Whether showing the task to its owner at `now` hands out a result that must then never
+    /// change: a fresh solution or CaptchaAI's verdict, not yet pinned. A submit failure is never
+    /// pinned (a later result still overrides it), nor a stale solution (not handed out).
+    pub fn needs_pin(&self, now: Timestamp) -> bool {
+        self.handed_out_at.is_none()
+            && match &self.state {
+                TaskState::Solved { .. } => self.solution_expires_at().is_none_or(|e| now < e),
+                TaskState::Failed { via, .. } => *via != Via::Submit,
+                _ => false,
+            }
     }
 
     /// When in.php accepted the task, or when it was created if that is not known (yet).
@@ -452,9 +568,15 @@ impl Task {
             resolved_at: None,
             resolved_via: None,
             expires_at: None,
+            late_result: None,
+            submit_outcome: None,
         };
         match &self.state {
-            TaskState::Submitting => {}
+            TaskState::Submitting { unknown: None } => {}
+            TaskState::Submitting { unknown: Some(why) } => {
+                v.submit_outcome = Some("unknown");
+                v.error_detail = Some(why.clone());
+            }
             TaskState::Pending { submitted_at } => v.submitted_at = Some(submitted_at.to_rfc3339()),
             TaskState::Solved { solution, resolved_at, via, .. } => {
                 v.resolved_at = Some(resolved_at.to_rfc3339());
@@ -476,15 +598,56 @@ impl Task {
                 v.error_code = Some(code.as_ref().to_owned());
                 v.error_detail.clone_from(detail);
             }
-            TaskState::Expired { reason, resolved_at } => {
+            TaskState::Expired { reason, resolved_at, late } => {
                 v.resolved_at = Some(resolved_at.to_rfc3339());
                 v.resolved_via = Some(Via::Deadline);
                 v.error_code = Some("DEADLINE_EXCEEDED".into());
                 v.error_detail = Some(reason.clone());
+                v.late_result = late.as_ref().map(|l| self.late_view(l, now));
             }
         }
         v
     }
+
+    /// A late result as its owner sees it: its token only while still fresh, like any result.
+    fn late_view(&self, l: &LateResult, now: Timestamp) -> LateView {
+        let expires_at = match l.outcome {
+            Outcome::Solved(_) => self.kind.token_lifetime().map(|life| l.token_clock_start.plus(life)),
+            Outcome::Failed(_) => None,
+        };
+        let fresh = expires_at.is_none_or(|e| now < e);
+        let (status, solution, error_code) = match &l.outcome {
+            Outcome::Solved(s) if fresh => ("solved", Some(s.expose().to_owned()), None),
+            Outcome::Solved(_) => ("stale", None, Some("TOKEN_LIFETIME_ELAPSED".to_owned())),
+            Outcome::Failed(c) => ("failed", None, Some(c.as_ref().to_owned())),
+        };
+        LateView {
+            status,
+            solution,
+            error_code,
+            received_at: l.received_at.to_rfc3339(),
+            received_via: l.via,
+            age_secs: now.since(l.token_clock_start).as_secs(),
+            expires_at: expires_at.map(Timestamp::to_rfc3339),
+        }
+    }
+}
+
+/// A result that came after the task was expired, in `GET /tasks/{ref}`.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct LateView {
+    /// `solved` (token handed out while fresh), `stale` (too old to hand out) or `failed`.
+    pub status: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub solution: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error_code: Option<String>,
+    pub received_at: String,
+    pub received_via: Via,
+    /// Seconds since the token was issued at the latest (for an answer, since it arrived).
+    pub age_secs: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expires_at: Option<String>,
 }
 
 /// The JSON a task's owner sees from `GET /tasks/{ref}`.
@@ -510,6 +673,12 @@ pub struct TaskView {
     pub resolved_via: Option<Via>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub expires_at: Option<String>,
+    /// A result that arrived after the task was expired (kept, never dropped).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub late_result: Option<LateView>,
+    /// `unknown` while in.php's answer to the submit is not known (see `error_detail`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub submit_outcome: Option<&'static str>,
 }
 
 #[cfg(test)]
@@ -620,6 +789,42 @@ mod tests {
     }
 
     #[test]
+    fn the_first_received_result_wins_until_the_owner_was_shown_one() {
+        // B (received at 900) was stored first; A, received at 500, reaches the store later
+        // (through the dead-letter queue): A replaces B.
+        let Ok(Applied::Recorded(b)) = pending_task(CaptchaKind::Turnstile).apply(solved("b", Via::Callback, 900))
+        else {
+            panic!("recorded")
+        };
+        let Ok(Applied::Replaced(a)) = b.clone().apply(solved("a", Via::Redrive, 500)) else { panic!("replaced") };
+        assert!(matches!(&a.state, TaskState::Solved { solution, resolved_at, via: Via::Redrive, .. }
+            if solution.expose() == "a" && *resolved_at == t(500)));
+        // B again, or anything received later than A, changes nothing now.
+        assert_eq!(a.clone().apply(solved("b", Via::Redrive, 900)), Ok(Applied::Conflict));
+        assert_eq!(a.clone().apply(solved("a", Via::Poll, 700)), Ok(Applied::Duplicate));
+        // An earlier receipt of the held result moves the receipt time back.
+        let Ok(Applied::Earlier(a2)) = a.clone().apply(solved("a", Via::Callback, 300)) else { panic!("earlier") };
+        assert!(matches!(&a2.state, TaskState::Solved { resolved_at, .. } if *resolved_at == t(300)));
+        // Ties keep what is stored; a verdict received earlier replaces a solution too.
+        assert_eq!(a2.clone().apply(solved("c", Via::Poll, 300)), Ok(Applied::Conflict));
+        let code = ErrorCode::parse("ERROR_CAPTCHA_UNSOLVABLE").expect("code");
+        let verdict = Delivery { outcome: Outcome::Failed(code), ..solved("x", Via::Redrive, 200) };
+        assert!(matches!(a2.clone().apply(verdict.clone()), Ok(Applied::Replaced(Task { state: TaskState::Failed { .. }, .. }))));
+        // Once shown, nothing replaces it.
+        assert!(a2.needs_pin(t(301)));
+        let shown = Task { handed_out_at: Some(t(301)), ..a2 };
+        assert!(!shown.needs_pin(t(302)));
+        assert_eq!(shown.clone().apply(verdict), Ok(Applied::Conflict));
+        assert_eq!(shown.clone().apply(solved("a", Via::Callback, 100)), Ok(Applied::Duplicate));
+        // A stale solution is not handed out, so not pinned; a submit failure never is.
+        assert!(!Task { handed_out_at: None, ..shown }.needs_pin(t(1_000_000)));
+        let refused = Task::new(TaskRef::generate(), CaptchaKind::Image, t(0))
+            .submit_failed(ErrorCode::parse("ERROR_ZERO_CAPTCHA_FILESIZE").expect("code"), None, t(5))
+            .expect("failed");
+        assert!(!refused.needs_pin(t(6)));
+    }
+
+    #[test]
     fn error_code_result_fails_the_task_and_repeats_are_duplicates() {
         let code = ErrorCode::parse("ERROR_CAPTCHA_UNSOLVABLE").expect("code");
         let d = Delivery { outcome: Outcome::Failed(code.clone()), ..solved("x", Via::Callback, 10) };
@@ -647,12 +852,52 @@ mod tests {
     }
 
     #[test]
-    fn expiry_applies_to_open_tasks_only_and_blocks_late_results() {
+    fn expiry_applies_to_open_tasks_only() {
         let expired =
             pending_task(CaptchaKind::Image).expire("no answer in 10 min".into(), t(600_000)).expect("expire");
         assert_eq!(expired.state.name(), "expired");
-        assert_eq!(expired.clone().apply(solved("late", Via::Poll, 700_000)), Ok(Applied::Conflict));
         assert!(expired.expire("again".into(), t(1)).is_err());
+    }
+
+    #[test]
+    fn a_result_received_before_the_expiry_but_applied_after_it_is_the_result() {
+        let expired = pending_task(CaptchaKind::Image).expire("deadline".into(), t(600_000)).expect("expire");
+        let Ok(Applied::Recorded(task)) = expired.apply(solved("w68hp", Via::Redrive, 599_000)) else {
+            panic!("a result received before the expiry is recorded")
+        };
+        assert!(matches!(task.state, TaskState::Solved { via: Via::Redrive, .. }));
+    }
+
+    #[test]
+    fn a_result_after_the_expiry_is_kept_as_a_late_result_and_shown_while_fresh() {
+        let expired = pending_task(CaptchaKind::Turnstile).expire("deadline".into(), t(600_000)).expect("expire");
+        let Ok(Applied::Late(task)) = expired.apply(solved("tok", Via::Callback, 700_000)) else {
+            panic!("kept as a late result")
+        };
+        assert_eq!(task.state.name(), "expired", "the task stays expired");
+        assert_eq!(task.clone().apply(solved("tok", Via::Poll, 710_000)), Ok(Applied::Duplicate));
+        assert_eq!(task.clone().apply(solved("other", Via::Poll, 710_000)), Ok(Applied::Conflict));
+        let v = task.view(t(760_000));
+        let late = v.late_result.expect("late result shown");
+        assert_eq!((late.status, late.solution.as_deref(), late.age_secs), ("solved", Some("tok"), 60));
+        let stale = task.view(t(1_000_000)).late_result.expect("still shown");
+        assert_eq!((stale.status, stale.solution), ("stale", None), "a stale late token is not handed out");
+    }
+
+    #[test]
+    fn a_result_for_a_task_whose_submit_failed_proves_it_was_accepted() {
+        let failed = Task::new(TaskRef::generate(), CaptchaKind::Image, t(0))
+            .submit_failed(ErrorCode::parse("ERROR_NO_SLOT_AVAILABLE").expect("code"), None, t(5))
+            .expect("failed");
+        let Ok(Applied::Recorded(task)) = failed.apply(solved("w68hp", Via::Callback, 30_000)) else {
+            panic!("recorded")
+        };
+        assert!(matches!(task.state, TaskState::Solved { .. }));
+        // A task that failed with CaptchaAI's own verdict keeps it.
+        let code = ErrorCode::parse("ERROR_CAPTCHA_UNSOLVABLE").expect("code");
+        let d = Delivery { outcome: Outcome::Failed(code), ..solved("x", Via::Callback, 10) };
+        let Ok(Applied::Recorded(unsolvable)) = pending_task(CaptchaKind::Image).apply(d) else { panic!() };
+        assert_eq!(unsolvable.apply(solved("w68hp", Via::Poll, 20)), Ok(Applied::Conflict));
     }
 
     #[test]

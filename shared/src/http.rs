@@ -55,6 +55,38 @@ pub fn path_segments(req: &Request) -> Vec<String> {
     segs
 }
 
+/// Parses `a=1&b=2` (a query string or a form body) strictly: `+` is a space, every `%`
+/// escape must be two hex digits, and the result must be UTF-8 — a lossy decode could turn a
+/// malformed delivery into a wrong token.
+pub fn parse_form(raw: &[u8]) -> Result<Vec<(String, String)>, String> {
+    fn decode(s: &[u8]) -> Result<String, String> {
+        let mut out = Vec::with_capacity(s.len());
+        let mut i = 0;
+        while i < s.len() {
+            match s[i] {
+                b'+' => out.push(b' '),
+                b'%' => {
+                    let hex = s.get(i + 1..i + 3).and_then(|h| std::str::from_utf8(h).ok());
+                    let byte =
+                        hex.and_then(|h| u8::from_str_radix(h, 16).ok()).ok_or("a `%` escape is not two hex digits")?;
+                    out.push(byte);
+                    i += 2;
+                }
+                b => out.push(b),
+            }
+            i += 1;
+        }
+        String::from_utf8(out).map_err(|_| "an escaped value is not UTF-8".to_owned())
+    }
+    raw.split(|b| *b == b'&')
+        .filter(|pair| !pair.is_empty())
+        .map(|pair| {
+            let mut kv = pair.splitn(2, |b| *b == b'=');
+            Ok((decode(kv.next().unwrap_or_default())?, decode(kv.next().unwrap_or_default())?))
+        })
+        .collect()
+}
+
 /// The raw query string (`a=1&b=2`), from the URI.
 pub fn query_string(req: &Request) -> &str {
     req.uri().query().unwrap_or("")
@@ -81,6 +113,26 @@ impl std::fmt::Debug for Authorizer {
 impl Authorizer {
     pub fn api_key(key: &SecretString) -> Self {
         Self::ApiKey(Sha256::digest(key.expose_secret().as_bytes()).into())
+    }
+
+    /// Who the (authorised) caller is, for scoping what they name — their idempotency keys:
+    /// the IAM principal (an assumed role without its session name, so keys hold across
+    /// sessions), or the API key.
+    pub fn owner(&self, req: &Request) -> String {
+        match self {
+            Self::ApiKey(_) => "api-key".into(),
+            Self::Iam => {
+                let iam = match req.request_context_ref() {
+                    Some(RequestContext::ApiGatewayV2(ctx)) => ctx.authorizer.as_ref().and_then(|a| a.iam.clone()),
+                    _ => None,
+                };
+                let arn = iam.as_ref().and_then(|i| i.user_arn.clone()).unwrap_or_default();
+                match arn.split_once(":assumed-role/") {
+                    Some((head, rest)) => format!("{head}:assumed-role/{}", rest.split('/').next().unwrap_or("")),
+                    None => arn,
+                }
+            }
+        }
     }
 
     /// `Ok(())` for an authorised caller, else the 401/403 to answer.
@@ -148,6 +200,18 @@ mod tests {
     #[test]
     fn iam_mode_refuses_requests_without_an_iam_identity() {
         assert_eq!(Authorizer::Iam.check(&req(None)).expect_err("no context").status(), 403);
+    }
+
+    #[test]
+    fn forms_decode_strictly() {
+        assert_eq!(
+            parse_form(b"id=71&code=a+b%2Bc%E2%9C%93"),
+            Ok(vec![("id".into(), "71".into()), ("code".into(), "a b+c\u{2713}".into())])
+        );
+        assert_eq!(parse_form(b"&&a&b="), Ok(vec![("a".into(), String::new()), ("b".into(), String::new())]));
+        assert!(parse_form(b"code=%FF").is_err(), "not UTF-8");
+        assert!(parse_form(b"code=%G1").is_err(), "not hex");
+        assert!(parse_form(b"code=%4").is_err(), "cut short");
     }
 
     #[test]

@@ -12,7 +12,9 @@ pub mod secrets;
 pub mod signing;
 pub mod store;
 pub mod telemetry;
-pub mod time;
+
+/// Timestamps and clocks (the `relay-time` crate, so the fake CaptchaAI can share them).
+pub use relay_time as time;
 
 #[cfg(any(test, feature = "testkit"))]
 pub mod testkit;

@@ -44,10 +44,28 @@ impl CallbackSigner {
         hex::encode(self.mac(task_ref).finalize().into_bytes())
     }
 
-    /// Checks a signature in constant time. Malformed hex is simply "not valid".
+    /// Checks a signature in constant time. Only the canonical form this signer writes (64
+    /// lowercase hex digits) is accepted: uppercase, short, long or otherwise malformed text is
+    /// simply "not valid".
     pub fn verify(&self, task_ref: &TaskRef, signature: &str) -> bool {
+        let canonical = signature.len() == 64 && signature.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
         let Ok(bytes) = hex::decode(signature) else { return false };
-        self.mac(task_ref).verify_slice(&bytes).is_ok()
+        // The MAC is checked even for a non-canonical form, so the time taken does not say which.
+        self.mac(task_ref).verify_slice(&bytes).is_ok() & canonical
+    }
+
+    /// The task reference an idempotency key stands for: HMAC of the caller and the key (under a
+    /// context of its own), so the same key from the same caller always names the same task, and
+    /// nobody can guess another caller's references from their keys.
+    pub fn idempotent_ref(&self, owner: &str, key: &str) -> TaskRef {
+        let mut mac = HmacSha256::new_from_slice(self.secret.expose_secret().as_bytes())
+            .unwrap_or_else(|_| unreachable!("HMAC accepts any key length"));
+        mac.update(b"captcha-relay/idempotency/v1:");
+        mac.update(&(owner.len() as u64).to_be_bytes());
+        mac.update(owner.as_bytes());
+        mac.update(key.as_bytes());
+        let digest = mac.finalize().into_bytes();
+        TaskRef::from_hex(&hex::encode(&digest[..16]))
     }
 
     /// The pingback URL for a task under `base` (e.g. `https://abc.execute-api…/`).
@@ -77,14 +95,22 @@ mod tests {
     }
 
     #[test]
-    fn malformed_or_truncated_signatures_are_rejected() {
+    fn malformed_truncated_and_uppercase_signatures_are_rejected() {
+        // Fixed inputs: the signature below is known to contain hex letters, so its uppercase
+        // form differs from it (a random one has none about 1.6 % of the time).
         let s = signer("k1");
-        let r = TaskRef::generate();
+        let r = TaskRef::parse("tsk_0123456789abcdef0123456789abcdef").expect("ref");
         let sig = s.sign(&r);
+        assert!(sig.bytes().any(|b| b.is_ascii_lowercase()), "fixture signature has letters: {sig}");
+        assert!(s.verify(&r, &sig));
         assert!(!s.verify(&r, ""));
         assert!(!s.verify(&r, "zz"));
         assert!(!s.verify(&r, &sig[..62]));
-        assert!(!s.verify(&r, &sig.to_uppercase().replace('A', "B")));
+        assert!(!s.verify(&r, &format!("{sig}00")), "trailing bytes");
+        assert!(!s.verify(&r, &sig.to_uppercase()), "same bytes, non-canonical form");
+        let mut flipped = sig.clone().into_bytes();
+        flipped[63] = if flipped[63] == b'0' { b'1' } else { b'0' };
+        assert!(!s.verify(&r, &String::from_utf8(flipped).expect("hex")), "last digit changed");
     }
 
     #[test]
@@ -94,6 +120,18 @@ mod tests {
         let url = s.callback_url("https://x.example/", &r);
         assert_eq!(url, format!("https://x.example/callback/{r}/{}", s.sign(&r)));
         assert!(!url.contains('?'));
+    }
+
+    #[test]
+    fn an_idempotency_key_names_one_task_per_caller() {
+        let s = signer("k1");
+        let a = s.idempotent_ref("owner-a", "key-1");
+        assert_eq!(a, s.idempotent_ref("owner-a", "key-1"), "stable");
+        assert_ne!(a, s.idempotent_ref("owner-b", "key-1"), "scoped to the caller");
+        assert_ne!(a, s.idempotent_ref("owner-a", "key-2"));
+        assert_ne!(s.idempotent_ref("owner-a1", "key"), s.idempotent_ref("owner-a", "1key"), "no ambiguous joins");
+        assert_ne!(a, signer("k2").idempotent_ref("owner-a", "key-1"), "unguessable without the secret");
+        assert_eq!(TaskRef::parse(a.as_ref()), Ok(a));
     }
 
     #[test]

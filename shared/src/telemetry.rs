@@ -2,8 +2,16 @@
 //! request id comes from the runtime's span. Secrets and solutions are never logged: their
 //! types redact themselves, and nothing here formats a request body.
 
-/// Installs the JSON subscriber once. `RUST_LOG` (default `info`) picks the level.
+/// Installs the JSON subscriber once, on stdout. `RUST_LOG` (default `info`) picks the level.
 pub fn init() {
+    init_with_writer(std::io::stdout);
+}
+
+/// The same subscriber on another writer (tests capture every line the relay would log).
+pub fn init_with_writer<W>(writer: W)
+where
+    W: for<'w> tracing_subscriber::fmt::MakeWriter<'w> + Send + Sync + 'static,
+{
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let _ = tracing_subscriber::fmt()
@@ -15,6 +23,7 @@ pub fn init() {
         .with_target(false)
         .without_time()
         .with_ansi(false)
+        .with_writer(writer)
         .try_init();
 }
 

@@ -170,14 +170,14 @@ impl ApiGatewayEvent {
     }
 }
 
-/// A DynamoDB endpoint in front of a real engine that fails on demand: while `fail` is on,
-/// every call answers HTTP 500 `InternalServerError` (so the SDK retries, then gives up),
-/// exactly as a struggling DynamoDB would. The failure reaches the real handler code.
+/// An AWS endpoint (DynamoDB, or SQS) in front of a real engine that fails on demand: while
+/// `fail` is on, every call answers HTTP 500 `InternalServerError` (so the SDK retries, then
+/// gives up), exactly as a struggling service would; a share of writes can fail at random; and
+/// it watches the result writes that succeed, as an outside observer of "applied exactly once".
+/// The failures reach the real handler code.
 pub struct FlakyDynamo {
     pub endpoint: String,
-    failing: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    matching: std::sync::Arc<std::sync::Mutex<Option<String>>>,
-    calls_failed: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    st: std::sync::Arc<FlakyShared>,
     shutdown: Option<tokio::sync::oneshot::Sender<()>>,
 }
 
@@ -189,13 +189,31 @@ impl Drop for FlakyDynamo {
     }
 }
 
+#[derive(Default)]
+struct FlakyShared {
+    failing: std::sync::atomic::AtomicBool,
+    matching: std::sync::Mutex<Option<String>>,
+    calls_failed: std::sync::atomic::AtomicU64,
+    /// Writes (PutItem, UpdateItem, DeleteItem) failed at random, in parts per million.
+    write_failure_ppm: std::sync::atomic::AtomicU64,
+    seq: std::sync::atomic::AtomicU64,
+    /// Successful writes of a result (the task became solved or failed), by task reference.
+    applied: std::sync::Mutex<std::collections::HashMap<String, u32>>,
+}
+
 #[derive(Clone)]
 struct FlakyState {
     target: String,
     http: reqwest::Client,
-    failing: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    matching: std::sync::Arc<std::sync::Mutex<Option<String>>>,
-    calls_failed: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    shared: std::sync::Arc<FlakyShared>,
+}
+
+/// splitmix64, for the random failures.
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
 async fn flaky_forward(
@@ -203,7 +221,9 @@ async fn flaky_forward(
     req: http::Request<axum::body::Body>,
 ) -> http::Response<axum::body::Body> {
     use std::sync::atomic::Ordering;
+    let sh = &st.shared;
     let fail = || {
+        sh.calls_failed.fetch_add(1, Ordering::SeqCst);
         http::Response::builder()
             .status(500)
             .header("content-type", "application/x-amz-json-1.0")
@@ -212,51 +232,72 @@ async fn flaky_forward(
             ))
             .unwrap_or_default()
     };
-    if st.failing.load(Ordering::SeqCst) {
-        st.calls_failed.fetch_add(1, Ordering::SeqCst);
+    if sh.failing.load(Ordering::SeqCst) {
         return fail();
     }
     let (parts, body) = req.into_parts();
     let Ok(bytes) = axum::body::to_bytes(body, 16 * 1024 * 1024).await else { return fail() };
-    let matched = st
+    let matched = sh
         .matching
         .lock()
         .ok()
         .and_then(|m| m.clone())
         .is_some_and(|needle| String::from_utf8_lossy(&bytes).contains(&needle));
     if matched {
-        st.calls_failed.fetch_add(1, Ordering::SeqCst);
         return fail();
     }
-    let mut fwd = st.http.request(parts.method, format!("{}{}", st.target, parts.uri.path()));
+    let target = parts.headers.get("x-amz-target").and_then(|v| v.to_str().ok()).unwrap_or("").to_owned();
+    let is_write = ["PutItem", "UpdateItem", "DeleteItem"].iter().any(|op| target.ends_with(op));
+    let ppm = sh.write_failure_ppm.load(Ordering::SeqCst);
+    if is_write && ppm > 0 && mix(sh.seq.fetch_add(1, Ordering::SeqCst)) % 1_000_000 < ppm {
+        return fail();
+    }
+    let mut fwd = st.http.request(parts.method, format!("{}{}", st.target, parts.uri));
     for (k, v) in &parts.headers {
         if k != http::header::HOST && k != http::header::CONTENT_LENGTH {
             fwd = fwd.header(k, v);
         }
     }
-    let Ok(resp) = fwd.body(bytes).send().await else { return fail() };
-    let mut out = http::Response::builder().status(resp.status().as_u16());
+    let Ok(resp) = fwd.body(bytes.clone()).send().await else { return fail() };
+    let status = resp.status().as_u16();
+    let mut out = http::Response::builder().status(status);
     for (k, v) in resp.headers() {
         if k != http::header::CONTENT_LENGTH && k != http::header::TRANSFER_ENCODING {
             out = out.header(k, v);
         }
     }
     let body = resp.bytes().await.unwrap_or_default();
+    if status == 200 && target.ends_with("UpdateItem") {
+        note_applied_result(sh, &bytes);
+    }
     out.body(axum::body::Body::from(body)).unwrap_or_default()
 }
 
+/// Counts a successful UpdateItem that made a task solved or failed (the result writes), by
+/// task, result and receipt time: the same delivery applied twice shows 2. (A result written
+/// again with an earlier receipt time, or replaced by an earlier-received one, is another key.)
+fn note_applied_result(sh: &FlakyShared, request: &[u8]) {
+    let Ok(v) = serde_json::from_slice::<serde_json::Value>(request) else { return };
+    let expr = v["UpdateExpression"].as_str().unwrap_or_default();
+    if !(expr.contains("#state = :solved") || expr.contains("#state = :failedstate")) {
+        return;
+    }
+    let values = &v["ExpressionAttributeValues"];
+    let result = values[":solution"]["S"].as_str().or_else(|| values[":code"]["S"].as_str()).unwrap_or_default();
+    let at = values[":at"]["N"].as_str().unwrap_or_default();
+    if let (Some(pk), Ok(mut m)) = (v["Key"]["pk"]["S"].as_str(), sh.applied.lock()) {
+        *m.entry(format!("{pk} {result} {at}")).or_default() += 1;
+    }
+}
+
 impl FlakyDynamo {
-    /// Fronts `target` (e.g. a [`LocalDynamo`] endpoint), healthy at first.
+    /// Fronts `target` (e.g. a [`LocalDynamo`] endpoint, or moto), healthy at first.
     pub async fn start(target: &str) -> anyhow::Result<Self> {
-        let failing = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let calls_failed = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let matching = std::sync::Arc::new(std::sync::Mutex::new(None));
+        let shared = std::sync::Arc::new(FlakyShared::default());
         let st = FlakyState {
-            matching: matching.clone(),
             target: target.trim_end_matches('/').to_owned(),
             http: reqwest::Client::new(),
-            failing: failing.clone(),
-            calls_failed: calls_failed.clone(),
+            shared: shared.clone(),
         };
         let app = axum::Router::new().fallback(flaky_forward).with_state(st);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
@@ -269,24 +310,49 @@ impl FlakyDynamo {
                 })
                 .await;
         });
-        Ok(Self { endpoint, failing, matching, calls_failed, shutdown: Some(tx) })
+        Ok(Self { endpoint, st: shared, shutdown: Some(tx) })
     }
 
     pub fn set_failing(&self, on: bool) {
-        self.failing.store(on, std::sync::atomic::Ordering::SeqCst);
+        self.st.failing.store(on, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// Fails only the calls whose request body contains `needle` (e.g. `":solution"`: the
     /// writes of results), or stops doing so with `None`.
     pub fn set_failing_matching(&self, needle: Option<&str>) {
-        if let Ok(mut m) = self.matching.lock() {
+        if let Ok(mut m) = self.st.matching.lock() {
             *m = needle.map(str::to_owned);
         }
     }
 
+    /// Fails this share (0..=1) of writes at random.
+    pub fn set_write_failure_rate(&self, p: f64) {
+        let ppm = (p.clamp(0.0, 1.0) * 1_000_000.0) as u64;
+        self.st.write_failure_ppm.store(ppm, std::sync::atomic::Ordering::SeqCst);
+    }
+
     /// Calls answered with an injected fault so far.
     pub fn calls_failed(&self) -> u64 {
-        self.calls_failed.load(std::sync::atomic::Ordering::SeqCst)
+        self.st.calls_failed.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Successful result writes seen, by task reference, result and receipt time (one delivery
+    /// applied twice would show 2).
+    pub fn applied_results(&self) -> std::collections::HashMap<String, u32> {
+        self.st.applied.lock().map(|m| m.clone()).unwrap_or_default()
+    }
+
+    /// Tasks that had more than one different result written: a result replaced by one received
+    /// earlier.
+    pub fn replaced_results(&self) -> usize {
+        let mut results: std::collections::HashMap<String, std::collections::HashSet<String>> = Default::default();
+        for key in self.applied_results().into_keys() {
+            let mut parts = key.splitn(3, ' ');
+            if let (Some(pk), Some(result)) = (parts.next(), parts.next()) {
+                results.entry(pk.to_owned()).or_default().insert(result.to_owned());
+            }
+        }
+        results.values().filter(|r| r.len() > 1).count()
     }
 
     /// A store on `table` reached through this endpoint.
@@ -295,20 +361,48 @@ impl FlakyDynamo {
     }
 }
 
-/// SQS from a moto server on loopback. `infra/test.sh` starts one and exports
-/// `RELAY_TEST_SQS_ENDPOINT`; without it the SQS tests fail and say so.
+/// A dead-letter sink that fails while told to (a queue outage), in front of a real one.
+#[derive(Debug, Clone)]
+pub struct FailingSink {
+    pub inner: std::sync::Arc<dyn crate::deadletter::DeadLetterSink>,
+    pub fail: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl FailingSink {
+    pub fn new(inner: std::sync::Arc<dyn crate::deadletter::DeadLetterSink>) -> Self {
+        Self { inner, fail: std::sync::Arc::default() }
+    }
+}
+
+#[async_trait::async_trait]
+impl crate::deadletter::DeadLetterSink for FailingSink {
+    async fn send(&self, letter: &crate::deadletter::DeadLetter) -> Result<(), crate::deadletter::QueueError> {
+        if self.fail.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(crate::deadletter::QueueError("injected queue outage".into()));
+        }
+        self.inner.send(letter).await
+    }
+}
+
+/// SQS from a moto server on loopback: the one `RELAY_TEST_SQS_ENDPOINT` names (`infra/test.sh`
+/// starts one and exports it), or else one this test process starts for itself, once, from the
+/// repo's pinned `.venv` (installed by `infra/tools.sh moto` on first use). So plain
+/// `cargo test` needs nothing started by hand.
 pub struct LocalSqs {
     pub endpoint: String,
 }
 
+/// The moto server this process started, shared by all its tests.
+static MOTO: std::sync::OnceLock<Result<String, String>> = std::sync::OnceLock::new();
+
 impl LocalSqs {
     pub fn from_env() -> anyhow::Result<Self> {
-        let endpoint = std::env::var("RELAY_TEST_SQS_ENDPOINT").map_err(|_| {
-            anyhow::anyhow!("RELAY_TEST_SQS_ENDPOINT is not set: run the tests with infra/test.sh, which starts moto")
-        })?;
-        Ok(Self { endpoint })
+        if let Ok(endpoint) = std::env::var("RELAY_TEST_SQS_ENDPOINT") {
+            return Ok(Self { endpoint });
+        }
+        let endpoint = MOTO.get_or_init(|| start_moto().map_err(|e| format!("{e:#}"))).clone();
+        endpoint.map(|endpoint| Self { endpoint }).map_err(|e| anyhow::anyhow!("could not start moto: {e}"))
     }
-
     pub fn client(&self) -> aws_sdk_sqs::Client {
         sqs_client_for(&self.endpoint)
     }
@@ -350,6 +444,56 @@ impl LocalSqs {
             crate::deadletter::SqsQueue::new(client, poison_url),
         ))
     }
+}
+
+/// Installs moto into the repo's `.venv` if needed (pinned, `infra/tools.sh moto`), starts it on a
+/// free loopback port under a watchdog that stops it when this process ends, and waits until it
+/// answers. Blocking: called once per process.
+fn start_moto() -> anyhow::Result<String> {
+    use anyhow::Context;
+    use std::process::{Command, Stdio};
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let tools = root.join("infra/tools.sh");
+    let status =
+        Command::new("bash").arg(&tools).arg("moto").stdout(Stdio::null()).status().context("infra/tools.sh")?;
+    anyhow::ensure!(status.success(), "infra/tools.sh moto failed ({status})");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let moto = root.join(".venv/bin/moto_server");
+    // The watchdog shell outlives nothing: it stops moto once this process is gone.
+    let script = format!(
+        "{moto} -H 127.0.0.1 -p {port} >/dev/null 2>&1 & m=$!; \
+         while kill -0 {parent} 2>/dev/null && kill -0 $m 2>/dev/null; do sleep 1; done; kill $m 2>/dev/null",
+        moto = moto.display(),
+        parent = std::process::id()
+    );
+    Command::new("sh")
+        .arg("-c")
+        .arg(script)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("starting moto_server")?;
+    let endpoint = format!("http://127.0.0.1:{port}");
+    let until = std::time::Instant::now() + Duration::from_secs(60);
+    while std::time::Instant::now() < until {
+        if moto_answers(port) {
+            return Ok(endpoint);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    anyhow::bail!("moto_server did not listen on {endpoint} within 60 s")
+}
+
+/// Whether moto answers an HTTP request yet (it listens a moment before it serves).
+fn moto_answers(port: u16) -> bool {
+    use std::io::{Read, Write};
+    let Ok(mut conn) = std::net::TcpStream::connect(("127.0.0.1", port)) else { return false };
+    let _ = conn.set_read_timeout(Some(Duration::from_secs(2)));
+    let mut head = [0u8; 12];
+    conn.write_all(b"GET /moto-api/ HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").is_ok()
+        && conn.read_exact(&mut head).is_ok()
+        && head.starts_with(b"HTTP/1.")
 }
 
 /// An SQS client for a local endpoint with dummy credentials.

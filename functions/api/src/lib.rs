@@ -1,25 +1,38 @@
 //! The owner's API: `POST /tasks` submits a captcha, `GET /tasks/{ref}` reads it back.
 //!
-//! A submit records the task first (so a callback that outruns in.php's answer finds it),
-//! calls in.php with the task's signed pingback URL, then stores CaptchaAI's id. The stored
-//! record never claims more than is known: a refused submit is `failed` with the code, a submit
-//! whose outcome is unknown (timeout) stays `submitting` until a callback or the deadline.
+//! Every in.php call CaptchaAI accepts is money spent, so a submit:
+//! - is idempotent with an `Idempotency-Key` header: the key (with the caller) names the task's
+//!   reference, and creating the task is one conditional put — the same key and body return the
+//!   same task without a second in.php call, a different body is a 422;
+//! - records the task before in.php hears of it (so a pingback that outruns the answer finds it);
+//! - checks the account-wide breaker first, and opens it on a ban answer (never retried);
+//! - calls in.php again only after an explicit refusal that invites it (`ERROR_NO_SLOT_…`) or a
+//!   connection that never opened; any answer that does not prove a refusal — a timeout, a cut
+//!   connection, a 5xx, an HTML page — leaves the task `submitting` with "outcome unknown",
+//!   never retried by the relay and never called failed (its pingback will say);
+//! - never loses CaptchaAI's id: storing it is retried, and if that keeps failing it goes to
+//!   the dead-letter queue for the redrive function to store.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use lambda_http::{Body, Request, Response};
 use relay_shared::captchaai::{CaptchaAiClient, CaptchaAiError, SubmitRequest};
-use relay_shared::codes::{CodeClass, retry_after_secs};
-use relay_shared::domain::{Task, TaskRef};
+use relay_shared::codes::{CodeClass, ban};
+use relay_shared::deadletter::{DeadLetter, DeadLetterSink, SqsQueue};
+use relay_shared::domain::{CaptchaId, Task, TaskRef, TaskState, Via};
 use relay_shared::http::{Authorizer, json, path_segments, problem, with_header};
 use relay_shared::retry::backoff_delay;
 use relay_shared::signing::CallbackSigner;
-use relay_shared::store::{SubmitRecorded, TaskStore};
-use relay_shared::time::Clock;
+use relay_shared::store::{Created, SubmitRecorded, TaskStore};
+use relay_shared::time::{Clock, Timestamp};
+use sha2::{Digest, Sha256};
 
 /// Largest `POST /tasks` body (an image task carries up to ~140 KiB of base64).
 pub const MAX_BODY: usize = 256 * 1024;
+
+/// Longest `Idempotency-Key` accepted.
+pub const MAX_IDEMPOTENCY_KEY: usize = 255;
 
 /// What the handler needs, built once at cold start.
 #[derive(Debug, Clone)]
@@ -34,18 +47,27 @@ pub struct Deps {
     pub callback_base_url: Option<String>,
     /// How long a callback gets before the poller asks res.php, per kind.
     pub callback_grace: relay_shared::config::CallbackGrace,
-    /// Tries of in.php on transient errors.
+    /// Tries of in.php after explicit refusals that invite another try.
     pub submit_attempts: u32,
     /// First backoff between tries (doubles, capped at 4 s).
     pub submit_backoff: Duration,
+    /// Where in.php's id goes when it cannot be stored.
+    pub dead_letters: Arc<dyn DeadLetterSink>,
+    /// In.php submits allowed per second, account-wide (CaptchaAI bans more than 60 in 3 s).
+    pub submits_per_second: u32,
 }
+
+/// The default of [`Deps::submits_per_second`]: 4 × 14 = 56 in any 3 s, under the 60 that earn
+/// `MAX_USER_TURN`.
+pub const SUBMITS_PER_SECOND: u32 = 14;
 
 impl Deps {
     /// Reads the configuration and secrets (once, at cold start).
     pub async fn from_env() -> anyhow::Result<Self> {
         use anyhow::Context;
         use relay_shared::config::{ApiConfig, AuthMode, Settings};
-        let cfg = ApiConfig::from_settings(&Settings::from_env())?;
+        let env = Settings::from_env();
+        let cfg = ApiConfig::from_settings(&env)?;
         let aws = relay_shared::aws_config().await;
         let mut secrets = relay_shared::secrets::SecretLoader::new(&aws);
         let key = secrets.load(&cfg.captchaai.api_key).await.context("loading the CaptchaAI key")?;
@@ -71,6 +93,8 @@ impl Deps {
             callback_grace: cfg.callback_grace,
             submit_attempts: cfg.submit_attempts,
             submit_backoff: Duration::from_millis(500),
+            dead_letters: Arc::new(SqsQueue::new(aws_sdk_sqs::Client::new(&aws), env.url("DEAD_LETTER_QUEUE_URL")?)),
+            submits_per_second: env.parse_or("SUBMITS_PER_SECOND", SUBMITS_PER_SECOND)?.clamp(1, 15),
         })
     }
 }
@@ -104,7 +128,9 @@ enum Route {
     Task(String),
 }
 
-fn parse_submit(req: &Request) -> Result<SubmitRequest, Response<Body>> {
+/// A parsed submit: the request, and the fingerprint of its body (canonical JSON, so key order
+/// and whitespace do not matter) for idempotency checks.
+fn parse_submit(req: &Request) -> Result<(SubmitRequest, String), Response<Body>> {
     let body: &[u8] = req.body().as_ref();
     if body.len() > MAX_BODY {
         return Err(problem(413, "body_too_large", format!("the body is over {MAX_BODY} bytes")));
@@ -113,94 +139,277 @@ fn parse_submit(req: &Request) -> Result<SubmitRequest, Response<Body>> {
     if !ctype.to_ascii_lowercase().starts_with("application/json") {
         return Err(problem(415, "unsupported_media_type", "the body must be application/json"));
     }
-    let submit: SubmitRequest =
+    let value: serde_json::Value =
         serde_json::from_slice(body).map_err(|e| problem(400, "invalid_request", e.to_string()))?;
+    let submit: SubmitRequest =
+        serde_json::from_value(value.clone()).map_err(|e| problem(400, "invalid_request", e.to_string()))?;
     submit.validate().map_err(|e| problem(400, "invalid_request", e.0))?;
-    Ok(submit)
+    // serde_json's maps are ordered by key: the text is canonical.
+    let fingerprint = hex::encode(Sha256::digest(value.to_string().as_bytes()));
+    Ok((submit, fingerprint))
+}
+
+/// The `Idempotency-Key` header, if any: 1 to 255 printable ASCII characters.
+fn idempotency_key(req: &Request) -> Result<Option<String>, Response<Body>> {
+    let mut values = req.headers().get_all("idempotency-key").iter();
+    let Some(v) = values.next() else { return Ok(None) };
+    let bad = || {
+        problem(
+            400,
+            "invalid_idempotency_key",
+            format!("`Idempotency-Key` must be 1 to {MAX_IDEMPOTENCY_KEY} printable ASCII characters, given once"),
+        )
+    };
+    if values.next().is_some() {
+        return Err(bad());
+    }
+    let k = v.to_str().map_err(|_| bad())?.trim();
+    if k.is_empty() || k.len() > MAX_IDEMPOTENCY_KEY || !k.bytes().all(|b| (0x20..0x7f).contains(&b)) {
+        return Err(bad());
+    }
+    Ok(Some(k.to_owned()))
+}
+
+/// A 503 that says whether sending the same request again is safe, and when.
+fn unavailable(code: &str, message: impl Into<String>, retry_after: Duration, retry_safe: bool) -> Response<Body> {
+    let body = serde_json::json!({ "error": { "code": code, "message": message.into(), "retry_safe": retry_safe } });
+    with_header(json(503, &body), "retry-after", &retry_after.as_secs().max(1).to_string())
 }
 
 fn store_unavailable(e: &relay_shared::store::StoreError) -> Response<Body> {
     tracing::error!(event = "store_failed", error = %e, retryable = e.is_retryable(), "task store call failed");
-    with_header(problem(503, "store_unavailable", "the task store is unavailable; try again"), "retry-after", "5")
+    unavailable(
+        "store_unavailable",
+        "the task store is unavailable; nothing was sent to CaptchaAI, so trying again is safe",
+        Duration::from_secs(5),
+        true,
+    )
+}
+
+/// Answers a submit whose key was used before: the task as it is now, or 422 for another body.
+fn replay(task: &Task, stored: Option<&str>, fingerprint: &str, now: Timestamp) -> Response<Body> {
+    if stored != Some(fingerprint) {
+        return problem(
+            422,
+            "idempotency_key_reused",
+            "this Idempotency-Key was used with a different request; use a new key for a new task",
+        );
+    }
+    let view = task.view(now);
+    let resp = match &task.state {
+        TaskState::Failed { code, via: Via::Submit, .. } => {
+            let class = code.class();
+            let status = if matches!(class, CodeClass::Permanent | CodeClass::TerminalForTask) { 422 } else { 503 };
+            json(
+                status,
+                &serde_json::json!({ "error": { "code": code.as_ref(), "message": "in.php refused this task", "retry_safe": status == 503 }, "task": view }),
+            )
+        }
+        _ => json(202, &view),
+    };
+    with_header(resp, "idempotent-replayed", "true")
 }
 
 async fn submit(req: &Request, deps: &Deps) -> Result<Response<Body>, Response<Body>> {
-    let submit = parse_submit(req)?;
+    let (submit, fingerprint) = parse_submit(req)?;
+    let idem = idempotency_key(req)?;
     let kind = submit.kind();
     let now = deps.clock.now();
-    let task = Task::new(TaskRef::generate(), kind, now);
-    let task_ref = task.task_ref.clone();
-    let span = tracing::info_span!("submit", task_ref = %task_ref, kind = %kind);
+    let task_ref = match &idem {
+        Some(key) => deps.signer.idempotent_ref(&deps.auth.owner(req), key),
+        None => TaskRef::generate(),
+    };
+    let task = Task::new(task_ref.clone(), kind, now);
+    let span = tracing::info_span!("submit", task_ref = %task_ref, kind = %kind, idempotent = idem.is_some());
     let _enter = span.enter();
 
+    // The account-wide breaker: while CaptchaAI bans us, sending more only extends the ban.
+    match deps.store.breaker().await {
+        Ok(b) => {
+            if let Some(until) = b.open_for_submits_at(now) {
+                let reason = b.reason.unwrap_or_default();
+                metrics::counter!("submits", "outcome" => "breaker_open").increment(1);
+                return Err(unavailable(
+                    "captchaai_unavailable",
+                    format!(
+                        "CaptchaAI traffic is stopped until {until} ({reason}); nothing was recorded or sent, trying again then is safe"
+                    ),
+                    until.since(now),
+                    true,
+                ));
+            }
+        }
+        Err(e) => return Err(store_unavailable(&e)),
+    }
+    // Paced account-wide, so a burst of submits never earns MAX_USER_TURN.
+    match deps.store.take_submit_slot(now, deps.submits_per_second).await {
+        Ok(true) => {}
+        Ok(false) => {
+            metrics::counter!("submits", "outcome" => "rate_limited").increment(1);
+            let body = serde_json::json!({ "error": { "code": "rate_limited", "retry_safe": true,
+                "message": "too many submits this second (CaptchaAI bans more than 60 in 3 s); nothing was sent, try again in a second" } });
+            return Err(with_header(json(429, &body), "retry-after", "1"));
+        }
+        Err(e) => return Err(store_unavailable(&e)),
+    }
     // Recorded before in.php hears of it. If in.php's answer is never stored, the poller
     // expires the task at this deadline.
     let grace = deps.callback_grace.for_kind(kind);
     let deadline = now.plus(grace + kind.max_solve_time());
-    deps.store.create(&task, deadline).await.map_err(|e| store_unavailable(&e))?;
-
+    match deps.store.create(&task, deadline, idem.as_ref().map(|_| fingerprint.as_str())).await {
+        Ok(Created::New) => {}
+        Ok(Created::Existing { task, fingerprint: stored }) => {
+            metrics::counter!("submits", "outcome" => "replayed").increment(1);
+            tracing::info!(event = "submit_replayed", state = task.state.name(), "idempotency key seen before");
+            let task = if stored.as_deref() == Some(fingerprint.as_str()) { pinned(task, deps).await? } else { task };
+            return Ok(replay(&task, stored.as_deref(), &fingerprint, deps.clock.now()));
+        }
+        Err(e) => return Err(store_unavailable(&e)),
+    }
     let Some(base) = callback_base(req, deps) else {
         tracing::error!(event = "config_error", "no CALLBACK_BASE_URL and no API domain in the request");
         return Err(problem(500, "misconfigured", "the relay does not know its callback URL"));
     };
     let pingback = deps.signer.callback_url(&base, &task_ref);
     let mut attempt = 1;
-    let err = loop {
-        match deps.captchaai.submit(&submit, &pingback).await {
-            Ok(id) => {
-                let at = deps.clock.now();
-                return match deps.store.mark_submitted(&task_ref, &id, at, at.plus(grace)).await {
-                    Ok(SubmitRecorded::Pending(t) | SubmitRecorded::AlreadyResolved(t)) => {
-                        tracing::info!(event = "task_submitted", captcha_id = %id, attempts = attempt, "in.php accepted the task");
-                        metrics::counter!("submits", "outcome" => "accepted").increment(1);
-                        Ok(json(202, &t.view(deps.clock.now())))
-                    }
-                    Err(e) => {
-                        // CaptchaAI has the task and its pingback finds our record by reference;
-                        // only the id is missing. The record (`submitting`) stays true.
-                        tracing::error!(event = "store_failed", error = %e, captcha_id = %id, "in.php accepted the task but its id could not be stored");
-                        Ok(json(202, &task.view(deps.clock.now())))
-                    }
-                };
-            }
-            Err(e) if e.outcome_unknown() => {
-                tracing::warn!(event = "submit_unknown", error = %e, "in.php outcome unknown; not retried to avoid paying twice");
-                metrics::counter!("submits", "outcome" => "unknown").increment(1);
-                return Err(with_header(
-                    json(
-                        503,
-                        &serde_json::json!({ "error": { "code": e.code(), "message": format!("{e}; the task may still be solved: read GET /tasks/{task_ref}") }, "task_ref": task_ref }),
-                    ),
-                    "retry-after",
-                    "5",
-                ));
-            }
-            Err(e)
-                if matches!(e.class(), CodeClass::Transient | CodeClass::Unknown | CodeClass::NotReady)
-                    && attempt < deps.submit_attempts =>
-            {
-                let delay = backoff_delay(attempt, deps.submit_backoff, Duration::from_secs(4));
-                tracing::warn!(event = "submit_retry", error = %e, attempt, delay_ms = delay.as_millis() as u64, "in.php answered a transient error");
-                tokio::time::sleep(delay).await;
-                attempt += 1;
-            }
-            Err(e) => break e,
+    loop {
+        let err = match deps.captchaai.submit(&submit, &pingback).await {
+            Ok(id) => return Ok(accepted(deps, &task, &id, grace, attempt).await),
+            Err(e) => e,
+        };
+        if err.outcome_unknown() {
+            return Ok(outcome_unknown(deps, &task, &err).await);
         }
-    };
-    let code = err.code();
-    let (status, detail) = match err.class() {
-        CodeClass::Permanent | CodeClass::TerminalForTask => (422, format!("in.php refused the task: {err}")),
-        _ => (503, format!("in.php kept answering transient errors ({attempt} tries): {err}")),
-    };
-    tracing::warn!(event = "submit_failed", code, status, "submit failed");
-    metrics::counter!("submits", "outcome" => if status == 503 { "transient" } else { "refused" }).increment(1);
-    let stored = deps.store.mark_submit_failed(&task_ref, &code, &detail, deps.clock.now()).await;
-    if let Err(e) = &stored {
-        tracing::error!(event = "store_failed", error = %e, "could not mark the failed submit");
+        if let CaptchaAiError::Code(code) = &err
+            && let Some(b) = ban(code.as_ref())
+        {
+            // A ban is never retried in the request: that would extend it.
+            let at = deps.clock.now();
+            let until = at.plus(b.duration);
+            let stop = relay_shared::store::Stop::Ban { needs_operator: b.needs_operator };
+            if let Err(e) = deps.store.open_breaker(until, code.as_ref(), stop, at).await {
+                tracing::error!(event = "breaker_store_failed", error = %e);
+            }
+            metrics::counter!("breaker_opened", "reason" => if b.needs_operator { "key_rejected" } else { "ban" })
+                .increment(1);
+            tracing::warn!(event = "breaker_opened", code = %code, until = %until, "in.php answered a ban; CaptchaAI traffic stopped");
+            refused(deps, &task_ref, &err, idem.is_some()).await;
+            return Err(unavailable(
+                code.as_ref(),
+                format!(
+                    "CaptchaAI answered {code}; traffic is stopped until {until}. Nothing was accepted: trying again then is safe"
+                ),
+                b.duration,
+                true,
+            ));
+        }
+        let retry = matches!(err, CaptchaAiError::Connect(_))
+            || matches!(err.class(), CodeClass::Transient | CodeClass::Unknown | CodeClass::NotReady);
+        if retry && attempt < deps.submit_attempts {
+            let delay = backoff_delay(attempt, deps.submit_backoff, Duration::from_secs(4));
+            tracing::warn!(event = "submit_retry", error = %err, attempt, delay_ms = delay.as_millis() as u64, "in.php refused for now");
+            tokio::time::sleep(delay).await;
+            attempt += 1;
+            continue;
+        }
+        // An explicit refusal (or a connection that never opened): nothing was accepted.
+        refused(deps, &task_ref, &err, idem.is_some()).await;
+        let code = err.code();
+        return Err(if matches!(err.class(), CodeClass::Permanent | CodeClass::TerminalForTask) {
+            metrics::counter!("submits", "outcome" => "refused").increment(1);
+            json(
+                422,
+                &serde_json::json!({ "error": { "code": code, "message": format!("in.php refused the task: {err}"), "class": err.class().as_str(), "retry_safe": false }, "task_ref": task_ref }),
+            )
+        } else {
+            metrics::counter!("submits", "outcome" => "transient").increment(1);
+            let mut resp = unavailable(
+                &code,
+                format!("in.php refused the task {attempt} times ({err}); nothing was accepted, trying again is safe"),
+                Duration::from_secs(relay_shared::codes::retry_after_secs(&code)),
+                true,
+            );
+            if let Ok(v) = http::HeaderValue::from_str(task_ref.as_ref()) {
+                resp.headers_mut().insert("x-task-ref", v);
+            }
+            resp
+        });
     }
-    let body = serde_json::json!({ "error": { "code": code, "message": detail, "class": err.class().as_str() }, "task_ref": task_ref });
-    let resp = json(status, &body);
-    Err(if status == 503 { with_header(resp, "retry-after", &retry_after_for(&err).to_string()) } else { resp })
+}
+
+/// Stores an explicit refusal on the task (it failed at submit, nothing was accepted). A refusal
+/// that a later try may overcome (a ban, no free slot) under an idempotency key frees the key
+/// instead — the task is forgotten, nothing having been accepted — so the same request with the
+/// same key can be sent again, as its 503 says.
+async fn refused(deps: &Deps, task_ref: &TaskRef, err: &CaptchaAiError, keyed: bool) {
+    let final_refusal = matches!(err.class(), CodeClass::Permanent | CodeClass::TerminalForTask)
+        && !matches!(err, CaptchaAiError::Code(c) if ban(c.as_ref()).is_some());
+    if keyed && !final_refusal {
+        match deps.store.forget_unsent(task_ref).await {
+            Ok(_) => return,
+            Err(e) => tracing::error!(event = "store_failed", error = %e, "could not free the idempotency key"),
+        }
+    }
+    let detail = format!("in.php refused the task: {err}");
+    if let Err(e) = deps.store.mark_submit_failed(task_ref, &err.code(), &detail, deps.clock.now()).await {
+        // It stays `submitting` and expires at its deadline: still true, never wrong.
+        tracing::error!(event = "store_failed", error = %e, "could not mark the refused submit");
+    }
+}
+
+/// In.php accepted the task under `id`: store the id (retrying), or keep it on the dead-letter
+/// queue. Either way the owner hears 202: CaptchaAI has the task and its pingback finds it.
+async fn accepted(deps: &Deps, task: &Task, id: &CaptchaId, grace: Duration, attempts: u32) -> Response<Body> {
+    let at = deps.clock.now();
+    let due = at.plus(grace);
+    metrics::counter!("submits", "outcome" => "accepted").increment(1);
+    let mut last_err = None;
+    for attempt in 1..=3u32 {
+        match deps.store.mark_submitted(&task.task_ref, id, at, due).await {
+            Ok(SubmitRecorded::Pending(t) | SubmitRecorded::AlreadyResolved(t)) => {
+                tracing::info!(event = "task_submitted", captcha_id = %id, attempts, "in.php accepted the task");
+                return json(202, &t.view(deps.clock.now()));
+            }
+            Err(e) => {
+                tracing::warn!(event = "store_failed", error = %e, attempt, "storing in.php's id failed");
+                last_err = Some(e);
+                if attempt < 3 {
+                    tokio::time::sleep(backoff_delay(attempt, Duration::from_millis(100), Duration::from_secs(1)))
+                        .await;
+                }
+            }
+        }
+    }
+    let err = last_err.map(|e| e.to_string()).unwrap_or_default();
+    let letter = DeadLetter::submitted(&task.task_ref, id, at, due, &err);
+    match deps.dead_letters.send(&letter).await {
+        Ok(()) => {
+            tracing::warn!(event = "submitted_dead_lettered", captcha_id = %id, "in.php's id kept as a dead letter");
+            metrics::counter!("dead_lettered", "kind" => "submitted").increment(1);
+        }
+        Err(q) => {
+            // The last resort: the id is in this log line, the task's pingback still finds it
+            // by reference, and it expires at its deadline if none comes.
+            tracing::error!(event = "submitted_not_stored", captcha_id = %id, store_error = %err, queue_error = %q, "in.php's id could not be stored or queued");
+        }
+    }
+    json(202, &task.view(deps.clock.now()))
+}
+
+/// In.php's answer does not say whether it took the task: keep it `submitting`, marked so.
+async fn outcome_unknown(deps: &Deps, task: &Task, err: &CaptchaAiError) -> Response<Body> {
+    let detail = format!(
+        "in.php's answer was lost ({err}): CaptchaAI may have the task. Its pingback will record it; if none comes it \
+         expires at its deadline. The relay does not submit it again; a client retry with the same Idempotency-Key is \
+         safe, a retry without one may pay twice"
+    );
+    tracing::warn!(event = "submit_unknown", error = %err, "in.php outcome unknown; not retried, not failed");
+    metrics::counter!("submits", "outcome" => "unknown").increment(1);
+    if let Err(e) = deps.store.mark_submit_unknown(&task.task_ref, &detail).await {
+        tracing::error!(event = "store_failed", error = %e, "could not mark the submit unknown");
+    }
+    let t = Task { state: TaskState::Submitting { unknown: Some(detail) }, ..task.clone() };
+    json(202, &t.view(deps.clock.now()))
 }
 
 /// The configured callback base, or this API's own URL as API Gateway reports it.
@@ -222,20 +431,38 @@ fn callback_base(req: &Request, deps: &Deps) -> Option<String> {
     }
 }
 
-fn retry_after_for(err: &CaptchaAiError) -> u64 {
-    match err {
-        CaptchaAiError::Code(c) => retry_after_secs(c.as_ref()),
-        _ => 5,
-    }
-}
-
 async fn get_task(raw: &str, deps: &Deps) -> Result<Response<Body>, Response<Body>> {
     let task_ref = TaskRef::parse(raw).map_err(|e| problem(404, "unknown_task", format!("no such task: {e}")))?;
     match deps.store.get(&task_ref).await {
-        Ok(Some(task)) => Ok(json(200, &task.view(deps.clock.now()))),
+        Ok(Some(task)) => Ok(json(200, &pinned(task, deps).await?.view(deps.clock.now()))),
         Ok(None) => Err(problem(404, "unknown_task", "no such task")),
         Err(e) => Err(store_unavailable(&e)),
     }
+}
+
+/// The task to show its owner, its result pinned first if showing it hands one out: a result,
+/// once shown, never changes (before, one received earlier may still replace it). If the item
+/// changed since it was read, what it holds now is shown (and pinned) instead.
+async fn pinned(mut task: Task, deps: &Deps) -> Result<Task, Response<Body>> {
+    // Each refusal means the item changed: a strictly earlier-received result, an earlier
+    // receipt, or another read's pin. A few rounds settle it in practice.
+    for _ in 0..5 {
+        let now = deps.clock.now();
+        if !task.needs_pin(now) {
+            return Ok(task);
+        }
+        match deps.store.mark_handed_out(&task, now).await {
+            Ok(None) => return Ok(Task { handed_out_at: Some(now), ..task }),
+            Ok(Some(current)) => task = current,
+            Err(e) => return Err(store_unavailable(&e)),
+        }
+    }
+    Err(unavailable(
+        "result_changing",
+        "the task's result is being replaced by one received earlier; reading again is safe",
+        Duration::from_secs(1),
+        true,
+    ))
 }
 
 #[cfg(test)]
@@ -277,6 +504,8 @@ mod tests {
                 .with(relay_shared::domain::CaptchaKind::Image, Duration::from_secs(30)),
             submit_attempts: 3,
             submit_backoff: Duration::from_millis(5),
+            dead_letters: Arc::new(relay_shared::testkit::MemorySink::default()),
+            submits_per_second: SUBMITS_PER_SECOND,
         };
         Ok(World { _db: db, fake, clock, deps })
     }
@@ -442,23 +671,49 @@ mod tests {
         assert_eq!(resp.status(), 202, "one transient error, then success");
         assert_eq!(w.fake.counts().in_php, 2);
 
-        w.fake.configure(|c| c.submit_errors = vec!["MAX_USER_TURN".into(); 3]);
+        w.fake.configure(|c| c.submit_errors = vec!["ERROR_NO_SLOT_AVAILABLE".into(); 3]);
         let resp = w.call(post(TURNSTILE)).await;
         assert_eq!(resp.status(), 503);
-        assert_eq!(resp.headers().get("retry-after").and_then(|v| v.to_str().ok()), Some("10"));
-        assert_eq!(body(&resp)["error"]["code"], "MAX_USER_TURN");
-        assert_eq!(w.fake.counts().in_php, 5, "three tries");
-        assert!(matches!(w.state_of(&resp).await, TaskState::Failed { code, .. } if code.as_ref() == "MAX_USER_TURN"));
+        assert_eq!(body(&resp)["error"]["retry_safe"], true, "nothing was accepted: {}", body(&resp));
+        assert_eq!(w.fake.counts().in_php, 5, "three tries of an explicit 'no slot'");
         Ok(())
     }
 
     #[tokio::test(flavor = "multi_thread")]
-    async fn a_submit_that_times_out_stays_submitting_and_is_not_retried() -> anyhow::Result<()> {
-        let w = world(FakeConfig { in_php_delay_ms: 2_000, ..FakeConfig::default() }).await?;
+    async fn a_ban_is_not_retried_it_opens_the_breaker_for_its_duration() -> anyhow::Result<()> {
+        let w = world(FakeConfig { submit_errors: vec!["MAX_USER_TURN".into()], ..FakeConfig::default() }).await?;
         let resp = w.call(post(TURNSTILE)).await;
         assert_eq!(resp.status(), 503);
-        assert_eq!(body(&resp)["error"]["code"], "TIMEOUT");
-        assert_eq!(w.state_of(&resp).await, TaskState::Submitting, "we do not know it failed, so we do not say so");
+        assert_eq!(resp.headers().get("retry-after").and_then(|v| v.to_str().ok()), Some("10"), "the ban's length");
+        assert_eq!(
+            (body(&resp)["error"]["code"].as_str(), body(&resp)["error"]["retry_safe"].as_bool()),
+            (Some("MAX_USER_TURN"), Some(true))
+        );
+        assert_eq!(w.fake.counts().in_php, 1, "a ban is never retried in the request");
+        let b = w.deps.store.breaker().await?;
+        assert_eq!(b.open_at(w.clock.now()), Some(w.clock.now().plus(Duration::from_secs(10))));
+        // While it is open, nothing reaches CaptchaAI.
+        let blocked = w.call(post(TURNSTILE)).await;
+        assert_eq!(blocked.status(), 503);
+        assert_eq!(body(&blocked)["error"]["code"], "captchaai_unavailable");
+        assert_eq!(w.fake.counts().in_php, 1);
+        w.clock.advance(Duration::from_secs(10));
+        assert_eq!(w.call(post(TURNSTILE)).await.status(), 202, "after the ban");
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_submit_that_times_out_stays_submitting_unknown_and_is_not_retried() -> anyhow::Result<()> {
+        let w = world(FakeConfig { in_php_delay_ms: 2_000, ..FakeConfig::default() }).await?;
+        let resp = w.call(post(TURNSTILE)).await;
+        assert_eq!(resp.status(), 202, "accepted for processing: it may be solved");
+        let b = body(&resp);
+        assert_eq!((b["status"].as_str(), b["submit_outcome"].as_str()), (Some("submitting"), Some("unknown")), "{b}");
+        assert!(b["error_detail"].as_str().unwrap_or_default().contains("Idempotency-Key"), "{b}");
+        assert!(
+            matches!(w.state_of(&resp).await, TaskState::Submitting { unknown: Some(_) }),
+            "we do not know it failed, so we do not say so"
+        );
         assert_eq!(w.fake.counts().in_php, 1);
         Ok(())
     }
@@ -525,6 +780,48 @@ mod tests {
         let stale = body(&w.call(get()).await);
         assert_eq!(stale["status"], "expired");
         assert!(stale.get("solution").is_none(), "a stale token is never handed out: {stale}");
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_result_once_shown_is_pinned_and_an_earlier_received_one_replaces_it_only_before() -> anyhow::Result<()>
+    {
+        use relay_shared::domain::{CaptchaId, Delivery, Outcome, Solution, Via};
+        use relay_shared::store::RecordOutcome;
+        let w = world(FakeConfig::default()).await?;
+        let b = body(&w.call(post(TURNSTILE)).await);
+        let task_ref = TaskRef::parse(b["task_ref"].as_str().unwrap_or_default())?;
+        let id = CaptchaId::parse(b["captcha_id"].as_str().unwrap_or_default())?;
+        let now = w.clock.now();
+        let deliver = |token: &str, back_ms: u64| -> anyhow::Result<Delivery> {
+            let at = Timestamp::from_millis(now.as_millis() - back_ms);
+            Ok(Delivery {
+                captcha_id: id.clone(),
+                outcome: Outcome::Solved(Solution::parse(token)?),
+                received_at: at,
+                via: Via::Redrive,
+                token_clock_start: at,
+            })
+        };
+        let get = || {
+            ApiGatewayEvent::new("GET", &format!("/tasks/{task_ref}")).header("authorization", &format!("Bearer {KEY}"))
+        };
+        // Stored first: B, received now. Not shown yet, so A, received 2 s earlier, replaces it.
+        w.deps.store.record_result(&task_ref, &deliver("tok-b", 0)?).await?;
+        let replaced = w.deps.store.record_result(&task_ref, &deliver("tok-a", 2_000)?).await?;
+        assert!(matches!(replaced, RecordOutcome::Replaced(_)), "{replaced:?}");
+        let shown = body(&w.call(get()).await);
+        assert_eq!(shown["solution"], "tok-a");
+        // Shown, hence pinned: a result received even earlier no longer replaces it.
+        let late = w.deps.store.record_result(&task_ref, &deliver("tok-c", 4_000)?).await?;
+        assert!(matches!(late, RecordOutcome::Conflict(_)), "{late:?}");
+        w.clock.advance(Duration::from_secs(1));
+        assert_eq!(body(&w.call(get()).await)["solution"], "tok-a", "the owner always sees the same token");
+        assert_eq!(
+            w.deps.store.get(&task_ref).await?.and_then(|t| t.handed_out_at),
+            Some(now),
+            "pinned once, by the first read that showed it"
+        );
         Ok(())
     }
 }

@@ -10,11 +10,10 @@ use lambda_http::{Body, Request, Response};
 use relay_shared::codes::{CodeClass, ErrorCode, classify, is_error_code};
 use relay_shared::deadletter::{DeadLetter, DeadLetterSink, SqsQueue};
 use relay_shared::domain::{CaptchaId, Delivery, Outcome, Solution, TaskRef, Via};
-use relay_shared::http::{json, path_segments, problem, query_string, with_header};
+use relay_shared::http::{json, parse_form, path_segments, problem, query_string, with_header};
 use relay_shared::signing::CallbackSigner;
 use relay_shared::store::{RecordOutcome, TaskStore};
-use relay_shared::time::Clock;
-use serde::Deserialize;
+use relay_shared::time::{Clock, Timestamp};
 
 /// Largest pingback body accepted. Real ones are an id and a token of a few KiB.
 pub const MAX_BODY: usize = 16 * 1024;
@@ -48,20 +47,35 @@ impl Deps {
     }
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Default, PartialEq, Eq)]
 struct Params {
     id: Option<String>,
     code: Option<String>,
 }
 
+/// `id` and `code` from a query string or form body: strictly decoded, each at most once.
+fn fields(raw: &[u8], what: &str) -> Result<Params, Response<Body>> {
+    let pairs = parse_form(raw).map_err(|e| {
+        problem(400, &format!("malformed_{what}"), format!("the {what} is not valid URL encoding: {e}"))
+    })?;
+    let mut p = Params::default();
+    for (k, v) in pairs {
+        let slot = match k.as_str() {
+            "id" => &mut p.id,
+            "code" => &mut p.code,
+            _ => continue,
+        };
+        if slot.replace(v).is_some() {
+            return Err(problem(400, "repeated_parameter", format!("`{k}` is given more than once")));
+        }
+    }
+    Ok(p)
+}
+
 /// Reads `id` and `code` from the query (GET) or the form body (POST).
 fn read_params(req: &Request) -> Result<Params, Response<Body>> {
-    let method = req.method().as_str();
-    let query = || {
-        serde_urlencoded::from_str::<Params>(query_string(req))
-            .map_err(|_| problem(400, "malformed_query", "the query string is not valid URL encoding"))
-    };
-    match method {
+    let query = || fields(query_string(req).as_bytes(), "query");
+    match req.method().as_str() {
         "GET" => query(),
         "POST" => {
             let body: &[u8] = req.body().as_ref();
@@ -80,8 +94,18 @@ fn read_params(req: &Request) -> Result<Params, Response<Body>> {
                     "a POST pingback must be application/x-www-form-urlencoded",
                 ));
             }
-            serde_urlencoded::from_bytes::<Params>(body)
-                .map_err(|_| problem(400, "malformed_body", "the body is not a valid form (id=…&code=…)"))
+            let p = fields(body, "body")?;
+            // A field in the query too must say the same: which one would be the delivery?
+            let q = query()?;
+            let disagree = |a: &Option<String>, b: &Option<String>| a.is_some() && a != b;
+            if disagree(&q.id, &p.id) || disagree(&q.code, &p.code) {
+                return Err(problem(
+                    400,
+                    "query_and_body_disagree",
+                    "the query and the body give different `id` or `code`",
+                ));
+            }
+            Ok(p)
         }
         _ => Err(with_header(problem(405, "method_not_allowed", "use GET or POST"), "allow", "GET, POST")),
     }
@@ -101,8 +125,15 @@ fn read_delivery(p: Params, now: relay_shared::time::Timestamp) -> Result<Delive
     } else {
         Outcome::Solved(Solution::parse(&code).map_err(|e| problem(400, "invalid_code", e.0))?)
     };
-    // A pingback comes right after the solve, so the token's clock starts now.
-    Ok(Delivery { captcha_id, outcome, received_at: now, via: Via::Callback, token_clock_start: now })
+    // A pingback says nothing of when the token was issued (it may have been delayed): the
+    // freshness clock starts at the task's creation (the store bounds it there).
+    Ok(Delivery {
+        captcha_id,
+        outcome,
+        received_at: now,
+        via: Via::Callback,
+        token_clock_start: Timestamp::from_millis(0),
+    })
 }
 
 fn outcome_label(o: &Outcome) -> String {
@@ -169,6 +200,25 @@ async fn handle_inner(req: Request, deps: &Deps) -> Result<Response<Body>, Respo
             metrics::counter!("callbacks", "outcome" => "conflict").increment(1);
             Ok(json(200, &serde_json::json!({ "outcome": "conflict" })))
         }
+        Ok(RecordOutcome::Replaced(_)) => {
+            // Received before the result that was stored first (which came later but was stored
+            // while this one was failing): the first received wins until the owner saw one.
+            tracing::warn!(event = "result_replaced", via = "callback", outcome, "earlier-received result replaced a later one");
+            metrics::counter!("results_replaced", "via" => "callback").increment(1);
+            metrics::counter!("callbacks", "outcome" => "recorded").increment(1);
+            Ok(json(200, &serde_json::json!({ "outcome": "recorded" })))
+        }
+        Ok(RecordOutcome::Late(_)) => {
+            // Paid for, so never dropped: kept on the expired task and shown to its owner.
+            tracing::warn!(
+                event = "late_result_kept",
+                outcome,
+                "result after the task expired; kept as its late result"
+            );
+            metrics::counter!("callbacks", "outcome" => "late").increment(1);
+            metrics::counter!("late_results_kept", "via" => "callback").increment(1);
+            Ok(json(200, &serde_json::json!({ "outcome": "late" })))
+        }
         Ok(RecordOutcome::IdMismatch { expected }) => {
             tracing::warn!(event = "callback_rejected", reason = "id_mismatch", %expected, "callback for another CaptchaAI id");
             Err(problem(409, "id_mismatch", "the `id` is not this task's CaptchaAI id"))
@@ -226,7 +276,7 @@ mod tests {
         async fn pending_task(&self) -> anyhow::Result<TaskRef> {
             let now = self.deps.clock.now();
             let task = Task::new(TaskRef::generate(), CaptchaKind::Turnstile, now);
-            self.deps.store.create(&task, now).await?;
+            self.deps.store.create(&task, now, None).await?;
             let id = CaptchaId::parse("777")?;
             let SubmitRecorded::Pending(_) = self.deps.store.mark_submitted(&task.task_ref, &id, now, now).await?
             else {

@@ -1,45 +1,74 @@
-//! The fallback poller: once a minute it finds open tasks whose callback never came (the
-//! sparse `due-for-poll` index), reads them from res.php within the rate budget, and records
-//! what it finds through the same conditional write the callback uses.
+//! The fallback poller: finds open tasks whose callback never came (the sparse `due-for-poll`
+//! index), reads them from res.php within CaptchaAI's limits, and records what it finds through
+//! the same conditional write the callback uses.
 //!
-//! One tick is [`poll_once`]; the Lambda calls it with the invocation's deadline, tests call
-//! it with a clock of their own.
+//! One scheduled invocation is [`run_invocation`]: EventBridge Scheduler starts one a minute
+//! (its finest rate), and the invocation keeps working through its minute for as long as tasks
+//! fall due inside it — sleeping until the next one is due — and ends at once when none will.
+//! That is what lets a task be read seconds after it falls due rather than up to a minute
+//! later, so a recovered reCAPTCHA token is still young (see the README, "The poller").
+//!
+//! Within an invocation, each *pass* walks the due tasks oldest first across all index shards
+//! and, for each one, waits for a slot of the global rate limit, claims the task (a conditional
+//! write that also counts the read against the task's budget, before it is made), reads it and
+//! records the answer as it arrives. A read is started only if it and its write can finish
+//! before the invocation's deadline, so nothing is left half done; a task whose claim cannot be
+//! used is released. An account-wide breaker, kept in the table, stops every read — in this and
+//! every other invocation, and in the API's submits — for a ban's documented duration.
+//!
+//! Every wait goes through a [`Clock`], so tests run hours of this, with the template's
+//! settings, on a simulated clock.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::time::Duration;
 
 use relay_shared::captchaai::{CaptchaAiClient, CaptchaAiError, ResAnswer};
-use relay_shared::codes::{CodeClass, retry_after_secs};
+use relay_shared::codes::{CodeClass, ban, retry_after_secs};
+use relay_shared::config::{ConfigError, Settings};
 use relay_shared::deadletter::{DeadLetter, DeadLetterSink, SqsQueue};
 use relay_shared::domain::{CaptchaId, Delivery, Outcome, Via};
-use relay_shared::store::{DueTask, POLL_SHARDS, RecordOutcome, TaskStore};
-use relay_shared::time::Timestamp;
+use relay_shared::store::{DueTask, POLL_SHARDS, RecordOutcome, Reschedule, Stop, StoreError, TaskStore};
+use relay_shared::time::{Clock, Timestamp};
 use serde::Serialize;
-use tokio::sync::{Mutex, Semaphore};
+use tokio::sync::Semaphore;
 
-/// The poller's knobs.
+/// The poller's knobs. Defaults are what the template deploys.
 #[derive(Debug, Clone)]
 pub struct PollerSettings {
-    /// res.php reads a task may cost at most.
+    /// res.php reads a task may cost at most (`POLL_READ_BUDGET`).
     pub read_budget: u32,
-    /// From submit to giving up (expired).
+    /// From submit to giving up, after a last read (`TASK_DEADLINE_SECS`).
     pub task_deadline: Duration,
     /// Unknown codes tolerated before the task is failed with the code.
     pub max_unknown_codes: u32,
-    /// Global res.php requests per second.
+    /// Global res.php requests per second (`POLL_REQUESTS_PER_SECOND`).
     pub requests_per_second: u32,
-    /// Tasks worked on at once.
+    /// Reads in flight at once (`POLL_CONCURRENCY`).
     pub concurrency: usize,
     /// How long a claim holds a task before another poller may take it.
     pub lease: Duration,
-    /// Read up to 100 ids per res.php request.
+    /// Read up to 100 ids per res.php request (`POLL_BATCH`).
     pub batch: bool,
     /// Index page size.
     pub page_size: i32,
-    /// Most tasks claimed in one tick; the rest wait for the next.
-    pub max_tasks_per_tick: usize,
-    /// Stop this long before the Lambda deadline (at most a quarter of the time given).
+    /// The schedule's period (`POLL_SCHEDULE_MINUTES`): an invocation starts reads only within
+    /// its period, so the next one takes over as this one winds down.
+    pub window: Duration,
+    /// Most res.php requests one invocation makes (`POLL_MAX_READS_PER_INVOCATION`).
+    pub max_reads_per_invocation: u64,
+    /// Kept back from the invocation's deadline.
     pub safety_margin: Duration,
+    /// Longest wait for one res.php answer (`POLL_READ_TIMEOUT_MS`).
+    pub read_timeout: Duration,
+    /// Longest wait for one store write (the store's own bound).
+    pub write_timeout: Duration,
+    /// Longest sleep between passes: new tasks may fall due meanwhile.
+    pub idle_wait: Duration,
+    /// Failures without an answer (timeouts, 5xx, HTML) in a row that open the breaker.
+    pub failures_to_open: u32,
+    /// How long such a run of failures stops traffic.
+    pub failure_pause: Duration,
 }
 
 impl Default for PollerSettings {
@@ -51,11 +80,51 @@ impl Default for PollerSettings {
             requests_per_second: 10,
             concurrency: 8,
             lease: Duration::from_secs(90),
-            batch: true,
+            batch: false,
             page_size: 100,
-            max_tasks_per_tick: 2_000,
-            safety_margin: Duration::from_secs(5),
+            window: Duration::from_secs(60),
+            max_reads_per_invocation: 2_000,
+            safety_margin: Duration::from_secs(2),
+            read_timeout: Duration::from_secs(5),
+            write_timeout: TaskStore::CALL_TIMEOUT,
+            idle_wait: Duration::from_secs(10),
+            failures_to_open: 5,
+            failure_pause: Duration::from_secs(60),
         }
+    }
+}
+
+impl PollerSettings {
+    /// Reads the settings the template sets (and the defaults for the rest).
+    pub fn from_settings(env: &Settings) -> Result<Self, ConfigError> {
+        let d = Self::default();
+        let s = Self {
+            read_budget: env.parse_or("POLL_READ_BUDGET", d.read_budget)?,
+            task_deadline: Duration::from_secs(env.parse_or("TASK_DEADLINE_SECS", d.task_deadline.as_secs())?),
+            requests_per_second: env.parse_or("POLL_REQUESTS_PER_SECOND", d.requests_per_second)?,
+            concurrency: env.parse_or("POLL_CONCURRENCY", d.concurrency)?,
+            batch: env.parse_or("POLL_BATCH", d.batch)?,
+            window: Duration::from_secs(60 * env.parse_or("POLL_SCHEDULE_MINUTES", 1u64)?.max(1)),
+            max_reads_per_invocation: env.parse_or("POLL_MAX_READS_PER_INVOCATION", d.max_reads_per_invocation)?,
+            read_timeout: Duration::from_millis(
+                env.parse_or("POLL_READ_TIMEOUT_MS", u64::try_from(d.read_timeout.as_millis()).unwrap_or(5_000))?,
+            ),
+            ..d
+        };
+        let invalid = |name: &str, reason: &str| ConfigError::Invalid { name: name.into(), reason: reason.into() };
+        if !(1..=20).contains(&s.read_budget) {
+            // The ban rule allows about 20 reads per task; more would risk ERROR: 1005.
+            return Err(invalid("POLL_READ_BUDGET", "must be 1 to 20 (CaptchaAI bans above ~20 reads per task)"));
+        }
+        if s.requests_per_second == 0 || s.concurrency == 0 || s.max_reads_per_invocation == 0 {
+            return Err(invalid("POLL_REQUESTS_PER_SECOND", "rates, concurrency and limits must be at least 1"));
+        }
+        Ok(s)
+    }
+
+    /// Time a read needs to be started: its answer, then the write that records it.
+    pub fn read_allowance(&self) -> Duration {
+        self.read_timeout + self.write_timeout
     }
 }
 
@@ -75,19 +144,11 @@ impl Deps {
     /// Reads the configuration and secrets (once, at cold start).
     pub async fn from_env() -> anyhow::Result<Self> {
         use anyhow::Context;
-        use relay_shared::config::{CaptchaAiConfig, Settings, StoreConfig};
+        use relay_shared::config::{CaptchaAiConfig, StoreConfig};
         let env = Settings::from_env();
         let store_cfg = StoreConfig::from_settings(&env)?;
         let cai = CaptchaAiConfig::from_settings(&env)?;
-        let d = PollerSettings::default();
-        let settings = PollerSettings {
-            read_budget: env.parse_or("POLL_READ_BUDGET", d.read_budget)?,
-            task_deadline: Duration::from_secs(env.parse_or("TASK_DEADLINE_SECS", d.task_deadline.as_secs())?),
-            requests_per_second: env.parse_or("POLL_REQUESTS_PER_SECOND", d.requests_per_second)?,
-            concurrency: env.parse_or("POLL_CONCURRENCY", d.concurrency)?,
-            batch: env.parse_or("POLL_BATCH", d.batch)?,
-            ..d
-        };
+        let settings = PollerSettings::from_settings(&env)?;
         let aws = relay_shared::aws_config().await;
         let key = relay_shared::secrets::SecretLoader::new(&aws)
             .load(&cai.api_key)
@@ -95,7 +156,7 @@ impl Deps {
             .context("loading the CaptchaAI key")?;
         Ok(Self {
             store: TaskStore::from_config(&aws, &store_cfg),
-            captchaai: CaptchaAiClient::new(&cai.base_url, key, cai.timeout.min(Duration::from_secs(10)), None)?,
+            captchaai: CaptchaAiClient::new(&cai.base_url, key, cai.timeout.min(settings.read_timeout), None)?,
             settings,
             owner: format!("poller-{}", uuid::Uuid::new_v4().simple()),
             dead_letters: Arc::new(SqsQueue::new(aws_sdk_sqs::Client::new(&aws), env.url("DEAD_LETTER_QUEUE_URL")?)),
@@ -103,26 +164,64 @@ impl Deps {
     }
 }
 
-/// What one tick did. Logged as one structured line.
+/// What one invocation did. Logged as one structured line.
 #[derive(Debug, Clone, Default, Serialize, PartialEq, Eq)]
 pub struct TickReport {
+    /// Passes over the due list.
+    pub passes: u64,
+    /// Due tasks listed (a task listed in two passes counts twice).
     pub due: u64,
-    /// How long the longest-waiting listed task has been due, in seconds.
+    /// How long the longest-waiting listed task had been due, in seconds.
     pub oldest_due_secs: u64,
+    /// Tasks claimed for a read.
     pub claimed: u64,
-    pub polled: u64,
+    /// res.php requests made.
+    pub res_php_requests: u64,
     pub recovered: u64,
     pub not_ready: u64,
     pub failed: u64,
+    /// Expired: past the deadline (after a last read, when the task had an id) or out of budget.
     pub expired: u64,
+    /// Reads made after the deadline, before expiring.
+    pub last_reads: u64,
+    /// Tasks without a CaptchaAI id set aside until their deadline.
+    pub parked: u64,
     pub transient: u64,
     pub already_resolved: u64,
+    /// Results read after their task was expired: kept on it as late results.
+    pub late_kept: u64,
     pub dead_lettered: u64,
     pub lost_claims: u64,
-    pub res_php_requests: u64,
+    /// Claims given back unread (the breaker opened, or time ran out).
+    pub released: u64,
     pub errors: u64,
-    pub batch_rejected: bool,
+    /// The server answered a batch read in a way that says it does not take `ids=`.
+    pub batch_unsupported: bool,
+    /// The breaker was open at some point of this invocation.
+    pub breaker_open: bool,
+    /// This invocation opened (or extended) the breaker, with this code.
+    pub breaker_opened_by: Option<String>,
+    /// It ended with tasks due that it had no time left to read.
     pub stopped_early: bool,
+    /// It finished after its deadline (must never happen).
+    pub over_deadline: bool,
+}
+
+impl TickReport {
+    fn add(&mut self, a: Applied) {
+        match a {
+            Applied::Recovered => self.recovered += 1,
+            Applied::Failed => self.failed += 1,
+            Applied::NotReady => self.not_ready += 1,
+            Applied::Expired => self.expired += 1,
+            Applied::Transient => self.transient += 1,
+            Applied::AlreadyResolved => self.already_resolved += 1,
+            Applied::LateKept => self.late_kept += 1,
+            Applied::DeadLettered => self.dead_lettered += 1,
+            Applied::Released => self.released += 1,
+            Applied::Error => self.errors += 1,
+        }
+    }
 }
 
 /// Delay before the next read after `reads` reads: 5 s, 10 s, 15 s, 20 s, then every 30 s.
@@ -137,47 +236,66 @@ pub fn next_poll_delay(reads: u32) -> Duration {
     })
 }
 
+/// When to read a task again after `reads` reads, at `now`: the protocol's schedule
+/// ([`next_poll_delay`]), stretched when needed so the reads left in the budget last until the
+/// deadline — the last one falls on it, so no task expires without a last read.
+pub fn next_read_at(reads: u32, now: Timestamp, deadline: Timestamp, s: &PollerSettings) -> Timestamp {
+    let base = next_poll_delay(reads);
+    let left = s.read_budget.saturating_sub(reads).max(1);
+    // The first reads follow the schedule closely (a task just slower than usual is caught
+    // within seconds); the rest are spread over the time left.
+    if reads < 5 && left > 5 {
+        return now.plus(base);
+    }
+    now.plus(base.max(deadline.since(now) / left))
+}
+
 /// What to do with a listed task, decided from its record alone.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Decision {
-    /// Read it from res.php.
-    Read(CaptchaId),
-    /// No CaptchaAI id yet (in.php's answer not stored): look again at `until`.
+    /// Read it from res.php; `last`: it is past its deadline, and expires unless this read
+    /// finds its result.
+    Read { id: CaptchaId, last: bool },
+    /// No CaptchaAI id (in.php's answer not stored, or its outcome unknown): only its pingback
+    /// can resolve it. Set aside until `until`.
     Wait { until: Timestamp },
-    /// Give up: past the deadline or out of read budget.
+    /// Give up now.
     Expire(String),
 }
 
 pub fn decide(due: &DueTask, now: Timestamp, s: &PollerSettings) -> Decision {
     let deadline = due.task.submitted_or_created_at().plus(s.task_deadline);
-    if now >= deadline {
-        return Decision::Expire(format!("no result within {} s of submit", s.task_deadline.as_secs()));
-    }
+    let Some(id) = &due.task.captcha_id else {
+        return if now >= deadline {
+            Decision::Expire(format!(
+                "in.php's answer is unknown (no CaptchaAI id stored) and no pingback came within {} s",
+                s.task_deadline.as_secs()
+            ))
+        } else {
+            Decision::Wait { until: deadline }
+        };
+    };
     if due.reads >= s.read_budget {
         return Decision::Expire(format!("no result after {} res.php reads", due.reads));
     }
-    match &due.task.captcha_id {
-        Some(id) => Decision::Read(id.clone()),
-        None => Decision::Wait { until: deadline },
-    }
+    Decision::Read { id: id.clone(), last: now >= deadline }
 }
 
-/// The Lambda entry point: one tick per scheduled invocation, stopping before the
-/// invocation's deadline. The schedule's payload carries nothing the tick needs.
+/// The Lambda entry point: one scheduled invocation, working until shortly before its
+/// deadline. The schedule's payload carries nothing the poller needs.
 pub async fn handle(
     event: lambda_runtime::LambdaEvent<serde_json::Value>,
     deps: &Deps,
-    clock: &dyn relay_shared::time::Clock,
+    clock: Arc<dyn Clock>,
 ) -> Result<TickReport, lambda_runtime::Error> {
     let now = clock.now();
-    // The context's deadline is wall-clock epoch ms; turn it into a monotonic instant.
     let left = time_left(event.context.deadline, now);
     tracing::info!(
         event = "poll_invoked",
         deadline_ms = event.context.deadline,
-        time_left_ms = left.as_millis() as u64
+        time_left_ms = u64::try_from(left.as_millis()).unwrap_or(u64::MAX)
     );
-    Ok(poll_once(deps, now, Instant::now() + left).await)
+    Ok(run_invocation(deps, clock, now.plus(left)).await)
 }
 
 /// Time until the invocation's deadline. Lambda sends an epoch-ms deadline; cargo lambda's
@@ -192,162 +310,383 @@ pub fn time_left(deadline_ms: u64, now: Timestamp) -> Duration {
     }
 }
 
-/// Spaces requests at least `1/rps` apart, across all tasks of the tick.
+/// Spaces res.php requests at least `1/rps` apart, on the clock. Used by the invocation's one
+/// main loop only.
 struct RateLimiter {
     interval: Duration,
-    next: Mutex<Instant>,
+    next: Timestamp,
 }
 
 impl RateLimiter {
     fn new(rps: u32) -> Self {
-        Self { interval: Duration::from_secs(1) / rps.max(1), next: Mutex::new(Instant::now()) }
+        Self { interval: Duration::from_secs(1) / rps.max(1), next: Timestamp::from_millis(0) }
     }
 
-    async fn acquire(&self) {
-        let wait_until = {
-            let mut next = self.next.lock().await;
-            let slot = (*next).max(Instant::now());
-            *next = slot + self.interval;
-            slot
-        };
-        tokio::time::sleep_until(wait_until.into()).await;
+    /// The next free slot, if it comes before `latest`; waits for it. `None`: no slot in time.
+    async fn acquire(&mut self, clock: &dyn Clock, latest: Timestamp) -> Option<Timestamp> {
+        let slot = self.next.max(clock.now());
+        if slot > latest {
+            return None;
+        }
+        self.next = slot.plus(self.interval);
+        if slot > clock.now() {
+            clock.sleep_until(slot).await;
+        }
+        Some(slot)
     }
 }
 
-/// One tick: list due tasks, claim them, read res.php, record or reschedule.
-pub async fn poll_once(deps: &Deps, now: Timestamp, stop_at: Instant) -> TickReport {
-    let s = &deps.settings;
-    let mut report = TickReport::default();
-    // Keep back the safety margin, but never more than a quarter of the time given: a short
-    // Lambda timeout must still leave the tick something to do.
-    let margin = s.safety_margin.min(stop_at.saturating_duration_since(Instant::now()) / 4);
-    let out_of_time = || Instant::now() + margin >= stop_at;
-    let mut claimed: Vec<(DueTask, CaptchaId)> = Vec::new();
+/// State shared by an invocation's main loop and its reads.
+#[derive(Debug, Default)]
+struct Shared {
+    /// The breaker as this invocation knows it (epoch ms; 0 = closed).
+    open_until: AtomicU64,
+    /// Answers missing in a row (timeouts, 5xx, HTML).
+    failures: AtomicU32,
+    batch_unsupported: AtomicBool,
+    opened_by: std::sync::Mutex<Option<String>>,
+}
 
-    'shards: for shard in 0..POLL_SHARDS {
-        let mut start = None;
-        loop {
-            if out_of_time() || claimed.len() >= s.max_tasks_per_tick {
-                report.stopped_early = true;
-                break 'shards;
-            }
-            let page = match deps.store.due_page(shard, now, s.page_size, start).await {
-                Ok(p) => p,
-                Err(e) => {
-                    tracing::error!(event = "poll_query_failed", shard, error = %e);
-                    report.errors += 1;
-                    continue 'shards;
-                }
-            };
-            report.due += page.tasks.len() as u64;
-            let oldest = page.tasks.iter().map(|d| now.since(d.due_at).as_secs()).max().unwrap_or(0);
-            report.oldest_due_secs = report.oldest_due_secs.max(oldest);
-            for (due, triage) in triage_page(deps, now, page.tasks).await {
-                match triage {
-                    Ok(Triage::Claimed(id)) => {
-                        report.claimed += 1;
-                        claimed.push((due, id));
-                    }
-                    Ok(Triage::LostClaim) => report.lost_claims += 1,
-                    Ok(Triage::Expired) => report.expired += 1,
-                    Ok(Triage::Waiting) => {}
-                    Err(e) => {
-                        tracing::error!(event = "poll_store_failed", task_ref = %due.task.task_ref, error = %e);
-                        report.errors += 1;
-                    }
-                }
-            }
-            match page.next {
-                Some(k) => start = Some(k),
-                None => break,
-            }
-        }
+impl Shared {
+    fn open_at(&self, now: Timestamp) -> Option<Timestamp> {
+        let until = self.open_until.load(Ordering::SeqCst);
+        (until > now.as_millis()).then_some(Timestamp::from_millis(until))
     }
+}
 
-    let answers = read_all(deps, &claimed, &mut report).await;
-    apply_all(deps, now, answers, &mut report).await;
-    emit_tick_metrics(&report);
-    tracing::info!(
-        event = "poll_tick",
-        due = report.due,
-        oldest_due_secs = report.oldest_due_secs,
-        claimed = report.claimed,
-        polled = report.polled,
-        recovered = report.recovered,
-        not_ready = report.not_ready,
-        failed = report.failed,
-        expired = report.expired,
-        transient = report.transient,
-        already_resolved = report.already_resolved,
-        dead_lettered = report.dead_lettered,
-        lost_claims = report.lost_claims,
-        res_php_requests = report.res_php_requests,
-        errors = report.errors,
-        batch_rejected = report.batch_rejected,
-        stopped_early = report.stopped_early,
-        "poller tick done"
-    );
+/// Opens the breaker here at once (no new read starts in this invocation) and for everyone.
+async fn open_breaker(deps: &Deps, shared: &Shared, until: Timestamp, reason: &str, stop: Stop, now: Timestamp) {
+    shared.open_until.fetch_max(until.as_millis(), Ordering::SeqCst);
+    if let Ok(mut by) = shared.opened_by.lock() {
+        by.get_or_insert_with(|| reason.to_owned());
+    }
+    metrics::counter!("breaker_opened", "reason" => breaker_reason_label(reason)).increment(1);
+    tracing::warn!(event = "breaker_opened", reason, until = %until, ?stop, "CaptchaAI traffic stopped");
+    if let Err(e) = deps.store.open_breaker(until, reason, stop, now).await {
+        // This invocation still stops; others learn of the ban from their own first answer.
+        tracing::error!(event = "breaker_store_failed", error = %e);
+    }
+}
+
+/// A small, fixed set of metric labels (codes vary).
+fn breaker_reason_label(reason: &str) -> &'static str {
+    match reason {
+        r if r.starts_with("ERROR: 100") => "account_suspended",
+        "IP_BANNED" => "ip_banned",
+        "MAX_USER_TURN" => "max_user_turn",
+        r if ban(r).is_some_and(|b| b.needs_operator) => "key_rejected",
+        _ => "no_answers",
+    }
+}
+
+/// One scheduled invocation: passes over the due tasks until nothing more falls due in its
+/// window. Reads start only within the schedule's period from now (the next invocation takes
+/// over after it) and only while a read and its write can finish before `deadline`, the
+/// invocation's hard end. The caller holds the clock's busy guard for it (a simulated clock
+/// needs one).
+pub async fn run_invocation(deps: &Deps, clock: Arc<dyn Clock>, deadline: Timestamp) -> TickReport {
+    let s = &deps.settings;
+    let start = clock.now();
+    let read_until = start.plus(s.window).min(deadline.minus(s.safety_margin + s.read_allowance()));
+    let shared = Arc::new(Shared::default());
+    let mut limiter = RateLimiter::new(s.requests_per_second);
+    let mut report = TickReport::default();
+    loop {
+        if clock.now() >= read_until {
+            break;
+        }
+        report.passes += 1;
+        let next = pass(deps, &clock, read_until, &shared, &mut limiter, &mut report).await;
+        if report.res_php_requests >= s.max_reads_per_invocation {
+            report.stopped_early = true;
+            break;
+        }
+        // Nothing open at all: done until the next schedule.
+        let Some(next) = next else { break };
+        let now = clock.now();
+        // A pass that stopped with work due comes back at once (its cause, a breaker or the
+        // clock, is handled at the top of the next pass); otherwise sleep until the next task
+        // falls due — but never so long that a task submitted meanwhile waits for nothing.
+        let wake = next.max(now.plus(Duration::from_millis(100))).min(now.plus(s.idle_wait));
+        if wake >= read_until {
+            report.stopped_early = next <= now;
+            break;
+        }
+        clock.sleep_until(wake).await;
+    }
+    report.over_deadline = clock.now() > deadline;
+    if let Ok(by) = shared.opened_by.lock() {
+        report.breaker_opened_by.clone_from(&by);
+    }
+    report.batch_unsupported = shared.batch_unsupported.load(Ordering::SeqCst);
+    emit_metrics(&report);
+    log_report(&report);
     report
 }
 
-/// What became of one listed task before any read.
-enum Triage {
-    Claimed(CaptchaId),
-    LostClaim,
-    Expired,
-    Waiting,
+/// The due list, oldest first across every shard (a k-way merge of per-shard index pages), so
+/// no shard waits while another drains.
+struct DueStream<'a> {
+    store: &'a TaskStore,
+    now: Timestamp,
+    page_size: i32,
+    shards: Vec<ShardCursor>,
+    errors: u64,
 }
 
-/// Expires, parks or claims each task of a page, several at once.
-async fn triage_page(
-    deps: &Deps,
-    now: Timestamp,
-    tasks: Vec<DueTask>,
-) -> Vec<(DueTask, Result<Triage, relay_shared::store::StoreError>)> {
-    let sem = Arc::new(Semaphore::new(deps.settings.concurrency.max(1)));
-    let mut set = tokio::task::JoinSet::new();
-    for due in tasks {
-        let (deps, sem) = (deps.clone(), sem.clone());
-        set.spawn(async move {
-            let _permit = sem.acquire_owned().await;
-            let s = &deps.settings;
-            let r = &due.task.task_ref;
-            let res = match decide(&due, now, s) {
-                Decision::Expire(reason) => deps.store.expire(r, &reason, now).await.map(|done| {
-                    if done {
-                        tracing::info!(event = "task_expired", task_ref = %r, reason);
-                        Triage::Expired
-                    } else {
-                        Triage::LostClaim
-                    }
-                }),
-                Decision::Wait { until } => deps.store.claim(&due, &deps.owner, until).await.map(|_| Triage::Waiting),
-                Decision::Read(id) => deps
-                    .store
-                    .claim(&due, &deps.owner, now.plus(s.lease))
-                    .await
-                    .map(|won| if won { Triage::Claimed(id) } else { Triage::LostClaim }),
-            };
-            (due, res)
-        });
+struct ShardCursor {
+    shard: u8,
+    buffered: std::collections::VecDeque<DueTask>,
+    next_page: Option<relay_shared::store::PageKey>,
+    done: bool,
+}
+
+impl<'a> DueStream<'a> {
+    fn new(store: &'a TaskStore, now: Timestamp, page_size: i32) -> Self {
+        let shards = (0..POLL_SHARDS)
+            .map(|shard| ShardCursor { shard, buffered: Default::default(), next_page: None, done: false })
+            .collect();
+        Self { store, now, page_size, shards, errors: 0 }
     }
-    let mut out = Vec::new();
-    while let Some(r) = set.join_next().await {
-        match r {
-            Ok(pair) => out.push(pair),
-            Err(e) => tracing::error!(event = "poll_triage_panicked", error = %e),
+
+    async fn next(&mut self) -> Option<DueTask> {
+        for c in &mut self.shards {
+            if c.buffered.is_empty() && !c.done {
+                match self.store.due_page(c.shard, self.now, self.page_size, c.next_page.take()).await {
+                    Ok(page) => {
+                        c.done = page.next.is_none();
+                        c.next_page = page.next;
+                        c.buffered.extend(page.tasks);
+                    }
+                    Err(e) => {
+                        tracing::error!(event = "poll_query_failed", shard = c.shard, error = %e);
+                        self.errors += 1;
+                        c.done = true;
+                    }
+                }
+            }
+        }
+        let oldest = self
+            .shards
+            .iter_mut()
+            .filter(|c| !c.buffered.is_empty())
+            .min_by_key(|c| c.buffered.front().map(|d| d.due_at))?;
+        oldest.buffered.pop_front()
+    }
+}
+
+/// One pass: every task due now, oldest first, until time or the breaker stops it. Reads start
+/// only before `read_until`. Returns when the poller next has work (`None`: no open task).
+async fn pass(
+    deps: &Deps,
+    clock: &Arc<dyn Clock>,
+    read_until: Timestamp,
+    shared: &Arc<Shared>,
+    limiter: &mut RateLimiter,
+    report: &mut TickReport,
+) -> Option<Timestamp> {
+    let s = &deps.settings;
+    let now = clock.now();
+    // The account-wide breaker first: a ban seen by anyone stops everyone.
+    match deps.store.breaker().await {
+        Ok(b) => {
+            if let Some(until) = b.open_at(now) {
+                shared.open_until.fetch_max(until.as_millis(), Ordering::SeqCst);
+            }
+            if b.batch_unsupported {
+                shared.batch_unsupported.store(true, Ordering::SeqCst);
+            }
+        }
+        Err(e) => {
+            tracing::error!(event = "breaker_read_failed", error = %e);
+            report.errors += 1;
+            return Some(now.plus(Duration::from_secs(5)));
         }
     }
-    out
+    if let Some(until) = shared.open_at(now) {
+        report.breaker_open = true;
+        return Some(until);
+    }
+
+    let mut stream = DueStream::new(&deps.store, now, s.page_size);
+    let sem = Arc::new(Semaphore::new(s.concurrency.max(1)));
+    let mut inflight = tokio::task::JoinSet::new();
+    let mut batch: Vec<(DueTask, CaptchaId, bool)> = Vec::new();
+    let mut work_left = false;
+    while let Some(due) = stream.next().await {
+        report.due += 1;
+        report.oldest_due_secs = report.oldest_due_secs.max(now.since(due.due_at).as_secs());
+        let now = clock.now();
+        if shared.open_at(now).is_some() || now >= read_until || report.res_php_requests >= s.max_reads_per_invocation {
+            work_left = true;
+            break;
+        }
+        let r = due.task.task_ref.clone();
+        match decide(&due, now, s) {
+            Decision::Expire(reason) => match deps.store.expire(&r, &reason, now, &deps.owner).await {
+                Ok(true) => {
+                    tracing::info!(event = "task_expired", task_ref = %r, reason);
+                    report.expired += 1;
+                }
+                Ok(false) => report.lost_claims += 1,
+                Err(e) => store_error(report, &r, &e),
+            },
+            Decision::Wait { until } => match deps.store.claim(&due, &deps.owner, until, false).await {
+                Ok(true) => report.parked += 1,
+                Ok(false) => report.lost_claims += 1,
+                Err(e) => store_error(report, &r, &e),
+            },
+            Decision::Read { id, last } if s.batch && !shared.batch_unsupported.load(Ordering::SeqCst) => {
+                match deps.store.claim(&due, &deps.owner, now.plus(s.lease), true).await {
+                    Ok(true) => {
+                        report.claimed += 1;
+                        report.last_reads += u64::from(last);
+                        batch.push((due, id, last));
+                        if batch.len() == 100 {
+                            let chunk = std::mem::take(&mut batch);
+                            if !start_batch(
+                                deps,
+                                clock,
+                                shared,
+                                limiter,
+                                &sem,
+                                &mut inflight,
+                                chunk,
+                                read_until,
+                                report,
+                            )
+                            .await
+                            {
+                                work_left = true;
+                                break;
+                            }
+                        }
+                    }
+                    Ok(false) => report.lost_claims += 1,
+                    Err(e) => store_error(report, &r, &e),
+                }
+            }
+            Decision::Read { id, last } => {
+                if limiter.acquire(clock.as_ref(), read_until).await.is_none() {
+                    work_left = true;
+                    break;
+                }
+                let now = clock.now();
+                if shared.open_at(now).is_some() {
+                    work_left = true;
+                    break;
+                }
+                match deps.store.claim(&due, &deps.owner, now.plus(s.lease), true).await {
+                    Ok(true) => {
+                        report.claimed += 1;
+                        report.last_reads += u64::from(last);
+                        // The claim is a write too: only read if the answer can still be
+                        // recorded in time; else give the claim back.
+                        if clock.now() >= read_until {
+                            let a = release(deps, &due, clock.now()).await;
+                            report.add(a);
+                            work_left = true;
+                            break;
+                        }
+                        report.res_php_requests += 1;
+                        let permit = sem.clone().acquire_owned().await.ok();
+                        let (deps, clock2, shared) = (deps.clone(), clock.clone(), shared.clone());
+                        let busy = clock.busy();
+                        inflight.spawn(async move {
+                            let _busy = busy;
+                            let _permit = permit;
+                            vec![read_one(&deps, &clock2, &shared, due, id, last).await]
+                        });
+                    }
+                    Ok(false) => report.lost_claims += 1,
+                    Err(e) => store_error(report, &r, &e),
+                }
+            }
+        }
+    }
+    if !batch.is_empty() {
+        let chunk = std::mem::take(&mut batch);
+        if !start_batch(deps, clock, shared, limiter, &sem, &mut inflight, chunk, read_until, report).await {
+            work_left = true;
+        }
+    }
+    report.errors += stream.errors;
+    while let Some(done) = inflight.join_next().await {
+        match done {
+            Ok(applied) => applied.into_iter().for_each(|a| report.add(a)),
+            Err(e) => {
+                // A panicking read: its claim lapses with the lease and the task is read again.
+                tracing::error!(event = "poll_read_panicked", error = %e);
+                report.errors += 1;
+            }
+        }
+    }
+    if let Some(until) = shared.open_at(clock.now()) {
+        report.breaker_open = true;
+        return Some(until);
+    }
+    if work_left {
+        return Some(clock.now());
+    }
+    // Anything due after this pass's listing — including tasks that fell due while it ran, and
+    // claims it gave back — is the next work.
+    match deps.store.next_due_after(now).await {
+        Ok(next) => next,
+        Err(e) => {
+            tracing::error!(event = "poll_query_failed", error = %e);
+            report.errors += 1;
+            Some(clock.now().plus(Duration::from_secs(5)))
+        }
+    }
 }
 
-fn emit_tick_metrics(r: &TickReport) {
+fn store_error(report: &mut TickReport, r: &relay_shared::domain::TaskRef, e: &StoreError) {
+    tracing::error!(event = "poll_store_failed", task_ref = %r, error = %e);
+    report.errors += 1;
+}
+
+/// Starts one batch read (up to 100 claimed tasks) in a rate slot. `false` if no slot is left in
+/// time: the claims are given back.
+#[allow(clippy::too_many_arguments)]
+async fn start_batch(
+    deps: &Deps,
+    clock: &Arc<dyn Clock>,
+    shared: &Arc<Shared>,
+    limiter: &mut RateLimiter,
+    sem: &Arc<Semaphore>,
+    inflight: &mut tokio::task::JoinSet<Vec<Applied>>,
+    chunk: Vec<(DueTask, CaptchaId, bool)>,
+    read_until: Timestamp,
+    report: &mut TickReport,
+) -> bool {
+    let slot = limiter.acquire(clock.as_ref(), read_until).await;
+    if slot.is_none() || shared.open_at(clock.now()).is_some() {
+        for (due, _, _) in &chunk {
+            let a = release(deps, due, clock.now()).await;
+            report.add(a);
+        }
+        return false;
+    }
+    report.res_php_requests += 1;
+    let permit = sem.clone().acquire_owned().await.ok();
+    let (deps, clock2, shared) = (deps.clone(), clock.clone(), shared.clone());
+    let busy = clock.busy();
+    inflight.spawn(async move {
+        let _busy = busy;
+        let _permit = permit;
+        read_batch(&deps, &clock2, &shared, chunk).await
+    });
+    true
+}
+
+fn emit_metrics(r: &TickReport) {
     metrics::gauge!("tasks_due").set(r.due as f64);
     metrics::gauge!("oldest_due_seconds").set(r.oldest_due_secs as f64);
+    metrics::gauge!("breaker_open").set(if r.breaker_open || r.breaker_opened_by.is_some() { 1.0 } else { 0.0 });
     metrics::counter!("recovered_by_poll").increment(r.recovered);
     metrics::counter!("res_php_requests").increment(r.res_php_requests);
     for (outcome, n) in [
-        ("solved", r.recovered + r.already_resolved),
+        ("solved", r.recovered + r.already_resolved + r.late_kept),
         ("not_ready", r.not_ready),
         ("failed", r.failed),
         ("transient", r.transient),
@@ -356,96 +695,225 @@ fn emit_tick_metrics(r: &TickReport) {
         metrics::counter!("res_php_answers", "outcome" => outcome).increment(n);
     }
     metrics::counter!("poll_expired").increment(r.expired);
+    metrics::counter!("poll_last_reads").increment(r.last_reads);
+    metrics::counter!("late_results_kept", "via" => "poll").increment(r.late_kept);
     metrics::counter!("poll_errors").increment(r.errors);
     metrics::counter!("dead_lettered").increment(r.dead_lettered);
     metrics::counter!("tick_stopped_early").increment(u64::from(r.stopped_early));
+    metrics::counter!("tick_over_deadline").increment(u64::from(r.over_deadline));
 }
 
-type Answer = (DueTask, Result<ResAnswer, CaptchaAiError>);
-
-/// Reads every claimed task: in batches of up to 100 ids while the server takes them, else one
-/// by one, never faster than the rate limit.
-async fn read_all(deps: &Deps, claimed: &[(DueTask, CaptchaId)], report: &mut TickReport) -> Vec<Answer> {
-    let limiter = Arc::new(RateLimiter::new(deps.settings.requests_per_second));
-    let mut answers = Vec::with_capacity(claimed.len());
-    let mut singles: Vec<&(DueTask, CaptchaId)> = Vec::new();
-    if deps.settings.batch {
-        for chunk in claimed.chunks(100) {
-            if report.batch_rejected {
-                singles.extend(chunk);
-                continue;
-            }
-            limiter.acquire().await;
-            report.res_php_requests += 1;
-            let ids: Vec<CaptchaId> = chunk.iter().map(|(_, id)| id.clone()).collect();
-            match deps.captchaai.get_results(&ids).await {
-                Ok(got) => answers.extend(chunk.iter().map(|(d, _)| d.clone()).zip(got.into_iter().map(Ok))),
-                Err(e) => {
-                    // The batch form is not confirmed on CaptchaAI: any refusal means "read
-                    // one by one" for the rest of this tick.
-                    tracing::warn!(event = "batch_rejected", error = %e, "res.php refused the batch form; reading singly");
-                    report.batch_rejected = true;
-                    singles.extend(chunk);
-                }
-            }
-        }
-    } else {
-        singles.extend(claimed);
-    }
-    let sem = Arc::new(Semaphore::new(deps.settings.concurrency.max(1)));
-    let mut set = tokio::task::JoinSet::new();
-    for (due, id) in singles.into_iter().cloned() {
-        let (client, limiter, sem) = (deps.captchaai.clone(), limiter.clone(), sem.clone());
-        set.spawn(async move {
-            let _permit = sem.acquire_owned().await;
-            limiter.acquire().await;
-            (due, client.get_result(&id).await)
-        });
-        report.res_php_requests += 1;
-    }
-    while let Some(r) = set.join_next().await {
-        match r {
-            Ok(a) => answers.push(a),
-            Err(e) => {
-                tracing::error!(event = "poll_read_panicked", error = %e);
-                report.errors += 1;
-            }
-        }
-    }
-    report.polled = answers.len() as u64;
-    answers
+fn log_report(r: &TickReport) {
+    tracing::info!(
+        event = "poll_tick",
+        passes = r.passes,
+        due = r.due,
+        oldest_due_secs = r.oldest_due_secs,
+        claimed = r.claimed,
+        res_php_requests = r.res_php_requests,
+        recovered = r.recovered,
+        not_ready = r.not_ready,
+        failed = r.failed,
+        expired = r.expired,
+        last_reads = r.last_reads,
+        parked = r.parked,
+        transient = r.transient,
+        already_resolved = r.already_resolved,
+        late_kept = r.late_kept,
+        dead_lettered = r.dead_lettered,
+        lost_claims = r.lost_claims,
+        released = r.released,
+        errors = r.errors,
+        batch_unsupported = r.batch_unsupported,
+        breaker_open = r.breaker_open,
+        breaker_opened_by = r.breaker_opened_by.as_deref().unwrap_or(""),
+        stopped_early = r.stopped_early,
+        over_deadline = r.over_deadline,
+        "poller invocation done"
+    );
 }
 
 /// What one answer did, for the report.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Applied {
     Recovered,
     Failed,
     NotReady,
+    Expired,
     Transient,
     AlreadyResolved,
+    LateKept,
     DeadLettered,
+    Released,
     Error,
 }
 
-async fn apply_all(deps: &Deps, now: Timestamp, answers: Vec<Answer>, report: &mut TickReport) {
-    let sem = Arc::new(Semaphore::new(deps.settings.concurrency.max(1)));
-    let mut set = tokio::task::JoinSet::new();
-    for (due, answer) in answers {
-        let (deps, sem) = (deps.clone(), sem.clone());
-        set.spawn(async move {
-            let _permit = sem.acquire_owned().await;
-            apply_one(&deps, now, due, answer).await
-        });
+/// Gives back a claim whose read was not made: the read it counted is taken back, and the task
+/// is due again at once (or when the breaker closes).
+async fn release(deps: &Deps, due: &DueTask, now: Timestamp) -> Applied {
+    let r = Reschedule { unread: true, ..Reschedule::at(now) };
+    match deps.store.reschedule(&due.task.task_ref, &deps.owner, r).await {
+        Ok(_) => Applied::Released,
+        Err(e) => {
+            tracing::error!(event = "poll_store_failed", task_ref = %due.task.task_ref, error = %e);
+            Applied::Error
+        }
     }
-    while let Some(r) = set.join_next().await {
-        match r {
-            Ok(Applied::Recovered) => report.recovered += 1,
-            Ok(Applied::Failed) => report.failed += 1,
-            Ok(Applied::NotReady) => report.not_ready += 1,
-            Ok(Applied::Transient) => report.transient += 1,
-            Ok(Applied::AlreadyResolved) => report.already_resolved += 1,
-            Ok(Applied::DeadLettered) => report.dead_lettered += 1,
-            Ok(Applied::Error) | Err(_) => report.errors += 1,
+}
+
+async fn read_one(
+    deps: &Deps,
+    clock: &Arc<dyn Clock>,
+    shared: &Shared,
+    due: DueTask,
+    id: CaptchaId,
+    last: bool,
+) -> Applied {
+    // The breaker may have opened while this read waited for a permit: then it is not made.
+    if shared.open_at(clock.now()).is_some() {
+        let r = Reschedule { unread: true, ..Reschedule::at(clock.now()) };
+        return match deps.store.reschedule(&due.task.task_ref, &deps.owner, r).await {
+            Ok(_) => Applied::Released,
+            Err(_) => Applied::Error,
+        };
+    }
+    let answer = deps.captchaai.get_result(&id).await;
+    note_answer(deps, clock, shared, answer.as_ref().err()).await;
+    apply_answer(deps, clock, shared, due, answer, last).await
+}
+
+/// Counts one request's outcome: an answer ends a run of failures; a missing answer (timeout,
+/// 5xx, HTML) extends it, and a run long enough opens the breaker for a while.
+async fn note_answer(deps: &Deps, clock: &Arc<dyn Clock>, shared: &Shared, err: Option<&CaptchaAiError>) {
+    let s = &deps.settings;
+    match err {
+        None | Some(CaptchaAiError::Code(_)) => shared.failures.store(0, Ordering::SeqCst),
+        Some(e) => {
+            let run = shared.failures.fetch_add(1, Ordering::SeqCst) + 1;
+            let now = clock.now();
+            if run >= s.failures_to_open && shared.open_at(now).is_none() {
+                let reason = format!("{} answers missing in a row ({})", run, e.code());
+                open_breaker(deps, shared, now.plus(s.failure_pause), &reason, Stop::NoAnswers, now).await;
+            }
+        }
+    }
+}
+
+async fn read_batch(
+    deps: &Deps,
+    clock: &Arc<dyn Clock>,
+    shared: &Shared,
+    chunk: Vec<(DueTask, CaptchaId, bool)>,
+) -> Vec<Applied> {
+    let ids: Vec<CaptchaId> = chunk.iter().map(|(_, id, _)| id.clone()).collect();
+    let mut out = Vec::with_capacity(chunk.len());
+    let answers = deps.captchaai.get_results(&ids).await;
+    note_answer(deps, clock, shared, answers.as_ref().err().filter(|e| !e.batch_unsupported())).await;
+    match answers {
+        Ok(answers) => {
+            for ((due, _, last), answer) in chunk.into_iter().zip(answers) {
+                out.push(apply_answer(deps, clock, shared, due, Ok(answer), last).await);
+            }
+        }
+        Err(e) if e.batch_unsupported() => {
+            // The server does not take `ids=`: read these one by one from the next pass on.
+            tracing::warn!(event = "batch_unsupported", error = %e, "res.php does not take batch reads; reading singly");
+            shared.batch_unsupported.store(true, Ordering::SeqCst);
+            // Remembered for every invocation from now on, not learnt again at a batch's cost.
+            if let Err(e) = deps.store.mark_batch_unsupported(clock.now()).await {
+                tracing::error!(event = "poll_store_failed", error = %e);
+            }
+            for (due, _, _) in &chunk {
+                out.push(release(deps, due, clock.now()).await);
+            }
+        }
+        Err(e) => {
+            // A ban, a timeout, a 5xx: the same for every task of the batch, applied to each (the
+            // first opens the breaker, the rest are rescheduled after it).
+            for (due, _, last) in chunk {
+                out.push(apply_answer(deps, clock, shared, due, Err(e.clone()), last).await);
+            }
+        }
+    }
+    out
+}
+
+/// Records or reschedules a task after its read. The read was counted at the claim.
+async fn apply_answer(
+    deps: &Deps,
+    clock: &Arc<dyn Clock>,
+    shared: &Shared,
+    due: DueTask,
+    answer: Result<ResAnswer, CaptchaAiError>,
+    last: bool,
+) -> Applied {
+    let s = &deps.settings;
+    let now = clock.now();
+    let reads = due.reads + 1;
+    let deadline = due.task.submitted_or_created_at().plus(s.task_deadline);
+    let next_read = Reschedule::at(next_read_at(reads, now, deadline, s));
+    let r = &due.task.task_ref;
+    match answer {
+        Ok(ResAnswer::Ready(solution)) => record(deps, now, &due, Outcome::Solved(solution)).await,
+        Ok(ResAnswer::NotReady) if last => {
+            let reason = format!("no result within {} s of submit (last read: not ready)", s.task_deadline.as_secs());
+            match deps.store.expire(r, &reason, now, &deps.owner).await {
+                Ok(true) => {
+                    tracing::info!(event = "task_expired", task_ref = %r, reason, last_read = true);
+                    Applied::Expired
+                }
+                Ok(false) => Applied::AlreadyResolved,
+                Err(e) => {
+                    tracing::error!(event = "poll_store_failed", task_ref = %r, error = %e);
+                    Applied::Error
+                }
+            }
+        }
+        Ok(ResAnswer::NotReady) => {
+            let next = Reschedule { not_ready_at: Some(now), ..next_read };
+            reschedule(deps, &due, next, Applied::NotReady).await
+        }
+        Ok(ResAnswer::Code(code)) => {
+            if let Some(b) = ban(code.as_ref()) {
+                // The breaker holds every read back until it closes (or an operator closes it
+                // early); the task keeps its own schedule.
+                let stop = Stop::Ban { needs_operator: b.needs_operator };
+                open_breaker(deps, shared, now.plus(b.duration), code.as_ref(), stop, now).await;
+                return reschedule(deps, &due, next_read, Applied::Transient).await;
+            }
+            match code.class() {
+                CodeClass::TerminalForTask => record(deps, now, &due, Outcome::Failed(code)).await,
+                CodeClass::Unknown | CodeClass::Permanent if due.unknown_codes + 1 >= s.max_unknown_codes => {
+                    tracing::warn!(event = "unknown_code_terminal", task_ref = %r, %code);
+                    record(deps, now, &due, Outcome::Failed(code)).await
+                }
+                CodeClass::Unknown | CodeClass::Permanent => {
+                    tracing::warn!(event = "unknown_code", task_ref = %r, %code);
+                    let next = Reschedule { unknown_code: true, ..next_read };
+                    reschedule(deps, &due, next, Applied::Transient).await
+                }
+                CodeClass::Transient | CodeClass::NotReady => {
+                    let wait = Duration::from_secs(retry_after_secs(code.as_ref()));
+                    let next = Reschedule::at(next_read.next_due.max(now.plus(wait)));
+                    reschedule(deps, &due, next, Applied::Transient).await
+                }
+            }
+        }
+        Err(e) => {
+            // No answer (counted by the caller, per request): read again on schedule.
+            tracing::warn!(event = "res_php_failed", task_ref = %r, error = %e);
+            reschedule(deps, &due, next_read, Applied::Transient).await
+        }
+    }
+}
+
+async fn reschedule(deps: &Deps, due: &DueTask, r: Reschedule, applied: Applied) -> Applied {
+    match deps.store.reschedule(&due.task.task_ref, &deps.owner, r).await {
+        Ok(_) => applied,
+        Err(e) => {
+            // The lease lapses and the next pass reads it again: nothing is lost.
+            tracing::error!(event = "poll_store_failed", task_ref = %due.task.task_ref, error = %e);
+            Applied::Error
         }
     }
 }
@@ -468,14 +936,23 @@ async fn record(deps: &Deps, now: Timestamp, due: &DueTask, outcome: Outcome) ->
             tracing::info!(event = "poll_recovered", task_ref = %r, solved);
             if solved { Applied::Recovered } else { Applied::Failed }
         }
+        Ok(RecordOutcome::Replaced(_)) => {
+            tracing::warn!(event = "result_replaced", task_ref = %r, via = "poll");
+            metrics::counter!("results_replaced", "via" => "poll").increment(1);
+            if solved { Applied::Recovered } else { Applied::Failed }
+        }
         Ok(RecordOutcome::Duplicate(_) | RecordOutcome::Conflict(_)) => Applied::AlreadyResolved,
+        Ok(RecordOutcome::Late(_)) => {
+            tracing::warn!(event = "late_result_kept", task_ref = %r, via = "poll");
+            Applied::LateKept
+        }
         Ok(other) => {
             tracing::error!(event = "poll_record_refused", task_ref = %r, outcome = ?other);
             Applied::Error
         }
         Err(e) => {
             // Same path as the callback: keep the result as a dead letter. Should that fail too,
-            // the lease lapses and the next tick reads it again: nothing is lost either way.
+            // the lease lapses and a later pass reads it again: nothing is lost either way.
             match deps.dead_letters.send(&DeadLetter::new(r, &d, &e.to_string(), 1)).await {
                 Ok(()) => {
                     tracing::warn!(event = "poll_dead_lettered", task_ref = %r, error = %e);
@@ -486,68 +963,6 @@ async fn record(deps: &Deps, now: Timestamp, due: &DueTask, outcome: Outcome) ->
                     Applied::Error
                 }
             }
-        }
-    }
-}
-
-async fn reschedule(
-    deps: &Deps,
-    due: &DueTask,
-    next: Timestamp,
-    read: bool,
-    unknown: bool,
-    not_ready_at: Option<Timestamp>,
-) -> bool {
-    match deps.store.reschedule(&due.task.task_ref, &deps.owner, next, read, unknown, not_ready_at).await {
-        Ok(_) => true,
-        Err(e) => {
-            tracing::error!(event = "poll_store_failed", task_ref = %due.task.task_ref, error = %e);
-            false
-        }
-    }
-}
-
-async fn apply_one(deps: &Deps, now: Timestamp, due: DueTask, answer: Result<ResAnswer, CaptchaAiError>) -> Applied {
-    let s = &deps.settings;
-    let next = now.plus(next_poll_delay(due.reads + 1));
-    match answer {
-        Ok(ResAnswer::Ready(solution)) => record(deps, now, &due, Outcome::Solved(solution)).await,
-        Ok(ResAnswer::NotReady) => {
-            if reschedule(deps, &due, next, true, false, Some(now)).await {
-                Applied::NotReady
-            } else {
-                Applied::Error
-            }
-        }
-        Ok(ResAnswer::Code(code)) => match code.class() {
-            CodeClass::TerminalForTask => record(deps, now, &due, Outcome::Failed(code)).await,
-            CodeClass::Unknown if due.unknown_codes + 1 >= s.max_unknown_codes => {
-                tracing::warn!(event = "unknown_code_terminal", task_ref = %due.task.task_ref, %code);
-                record(deps, now, &due, Outcome::Failed(code)).await
-            }
-            CodeClass::Unknown => {
-                tracing::warn!(event = "unknown_code", task_ref = %due.task.task_ref, %code);
-                if reschedule(deps, &due, next, true, true, None).await { Applied::Transient } else { Applied::Error }
-            }
-            CodeClass::Permanent => {
-                // A key or request problem of ours: the task is not at fault, keep it.
-                tracing::error!(event = "res_php_permanent", task_ref = %due.task.task_ref, %code);
-                reschedule(deps, &due, next, false, false, None).await;
-                Applied::Error
-            }
-            CodeClass::Transient | CodeClass::NotReady => {
-                let wait = next_poll_delay(due.reads + 1).max(Duration::from_secs(retry_after_secs(code.as_ref())));
-                if reschedule(deps, &due, now.plus(wait), true, false, None).await {
-                    Applied::Transient
-                } else {
-                    Applied::Error
-                }
-            }
-        },
-        Err(e) => {
-            tracing::warn!(event = "res_php_failed", task_ref = %due.task.task_ref, error = %e);
-            reschedule(deps, &due, next, true, false, None).await;
-            Applied::Transient
         }
     }
 }
@@ -580,17 +995,62 @@ mod tests {
     }
 
     #[test]
+    fn the_budget_is_spread_so_the_last_read_falls_on_the_deadline() {
+        let s = PollerSettings::default();
+        let t = |secs: u64| Timestamp::from_millis(secs * 1000);
+        let deadline = t(600);
+        // A task that never solves, first read at 25 s: 20 reads, the last at the deadline.
+        let (mut now, mut reads, mut at) = (t(25), 1, vec![25]);
+        while reads < s.read_budget {
+            now = next_read_at(reads, now, deadline, &s);
+            reads += 1;
+            at.push(now.as_secs());
+        }
+        assert_eq!(at[..5], [25, 30, 40, 55, 75], "the protocol's schedule first");
+        assert!(at.windows(2).all(|w| w[1] - w[0] >= 5), "never under 5 s apart: {at:?}");
+        assert!(*at.last().unwrap_or(&0) >= 600, "the last read is at the deadline: {at:?}");
+        assert!(at.iter().filter(|a| **a < 600).count() == 19, "{at:?}");
+    }
+
+    #[test]
     fn decisions_follow_deadline_budget_and_id() {
         let s = PollerSettings::default();
         let pending = TaskState::Pending { submitted_at: Timestamp::from_millis(1_000) };
         let t = |ms| Timestamp::from_millis(ms);
-        assert!(matches!(decide(&due(pending.clone(), Some("7"), 0), t(130_000), &s), Decision::Read(_)));
+        assert!(matches!(
+            decide(&due(pending.clone(), Some("7"), 0), t(130_000), &s),
+            Decision::Read { last: false, .. }
+        ));
         assert!(
             matches!(decide(&due(pending.clone(), Some("7"), 20), t(130_000), &s), Decision::Expire(r) if r.contains("20 res.php reads"))
         );
         assert!(
-            matches!(decide(&due(pending, Some("7"), 0), t(601_000), &s), Decision::Expire(r) if r.contains("600 s"))
+            matches!(decide(&due(pending, Some("7"), 3), t(601_000), &s), Decision::Read { last: true, .. }),
+            "past the deadline: one last read before expiring"
         );
-        assert_eq!(decide(&due(TaskState::Submitting, None, 0), t(5_000), &s), Decision::Wait { until: t(600_000) });
+        assert_eq!(
+            decide(&due(TaskState::Submitting { unknown: None }, None, 0), t(5_000), &s),
+            Decision::Wait { until: t(600_000) }
+        );
+        assert!(
+            matches!(decide(&due(TaskState::Submitting { unknown: None }, None, 0), t(600_000), &s), Decision::Expire(r) if r.contains("unknown"))
+        );
+    }
+
+    #[test]
+    fn settings_are_read_from_the_environment_and_checked() {
+        let s = PollerSettings::from_settings(&Settings::from_pairs([
+            ("POLL_REQUESTS_PER_SECOND", "4"),
+            ("POLL_CONCURRENCY", "2"),
+            ("POLL_MAX_READS_PER_INVOCATION", "300"),
+            ("POLL_BATCH", "true"),
+        ]))
+        .expect("valid");
+        assert_eq!((s.requests_per_second, s.concurrency, s.max_reads_per_invocation, s.batch), (4, 2, 300, true));
+        let d = PollerSettings::from_settings(&Settings::default()).expect("defaults");
+        assert_eq!((d.requests_per_second, d.batch, d.read_budget), (10, false, 20), "the template's defaults");
+        for (k, v) in [("POLL_READ_BUDGET", "50"), ("POLL_CONCURRENCY", "0"), ("POLL_BATCH", "sometimes")] {
+            assert!(PollerSettings::from_settings(&Settings::from_pairs([(k, v)])).is_err(), "{k}={v}");
+        }
     }
 }

@@ -8,9 +8,9 @@ use std::sync::Arc;
 
 use aws_lambda_events::sqs::{BatchItemFailure, SqsBatchResponse, SqsEvent};
 use lambda_runtime::LambdaEvent;
-use relay_shared::deadletter::{DeadLetter, SqsQueue};
+use relay_shared::deadletter::{DeadLetter, Letter, SqsQueue};
 use relay_shared::domain::Via;
-use relay_shared::store::{RecordOutcome, TaskStore};
+use relay_shared::store::{RecordOutcome, SubmitRecorded, TaskStore};
 use tokio::sync::Semaphore;
 use tracing::Instrument;
 
@@ -57,13 +57,33 @@ pub async fn redrive_one(store: &TaskStore, body: &str) -> Redriven {
         Ok(l) => l,
         Err(e) => return Redriven::Permanent(e.0),
     };
-    let (task_ref, delivery) = match letter.delivery_via(Via::Redrive) {
-        Ok(pair) => pair,
+    let (task_ref, delivery) = match letter.letter(Via::Redrive) {
+        Ok(Letter::Result { task_ref, delivery }) => (task_ref, delivery),
+        Ok(Letter::Submitted { task_ref, captcha_id, accepted_at, poll_due_at }) => {
+            // In.php's id for a task, kept because storing it failed: store it now.
+            return match store.mark_submitted(&task_ref, &captcha_id, accepted_at, poll_due_at).await {
+                Ok(SubmitRecorded::Pending(_)) => Redriven::Applied,
+                Ok(SubmitRecorded::AlreadyResolved(_)) => Redriven::AlreadyRecorded,
+                Err(e) if e.is_retryable() => Redriven::Retry(e.to_string()),
+                Err(e) => Redriven::Permanent(e.to_string()),
+            };
+        }
         Err(e) => return Redriven::Permanent(e.0),
     };
     match store.record_result(&task_ref, &delivery).await {
         Ok(RecordOutcome::Recorded(_)) => Redriven::Applied,
+        Ok(RecordOutcome::Replaced(_)) => {
+            // The common case of a replacement: the pingback failed to store, a conflicting
+            // result was stored after it, and this letter brings the first-received one back.
+            tracing::warn!(event = "result_replaced", task_ref = %task_ref, via = "redrive");
+            metrics::counter!("results_replaced", "via" => "redrive").increment(1);
+            Redriven::Applied
+        }
         Ok(RecordOutcome::Duplicate(_) | RecordOutcome::Conflict(_)) => Redriven::AlreadyRecorded,
+        Ok(RecordOutcome::Late(_)) => {
+            metrics::counter!("late_results_kept", "via" => "redrive").increment(1);
+            Redriven::Applied
+        }
         Ok(RecordOutcome::NotFound) => Redriven::Permanent(format!("task {task_ref} does not exist (any more)")),
         Ok(RecordOutcome::IdMismatch { expected }) => {
             Redriven::Permanent(format!("letter is for CaptchaAI id {}, the task has {expected}", letter.captcha_id))

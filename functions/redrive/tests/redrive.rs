@@ -62,7 +62,7 @@ impl World {
     async fn pending(&self, captcha_id: &str) -> anyhow::Result<TaskRef> {
         let now = self.clock.now();
         let task = Task::new(TaskRef::generate(), CaptchaKind::Turnstile, now);
-        self.store.create(&task, now).await?;
+        self.store.create(&task, now, None).await?;
         let due = now.plus(Duration::from_secs(120));
         let SubmitRecorded::Pending(_) =
             self.store.mark_submitted(&task.task_ref, &CaptchaId::parse(captcha_id)?, now, due).await?
@@ -99,7 +99,7 @@ impl World {
     async fn state(&self, r: &TaskRef) -> TaskState {
         // Read past the fault injector: the truth, whatever the injector is doing.
         let direct = TaskStore::new(self.db.client(), self.store.table(), Duration::from_secs(60));
-        direct.get(r).await.ok().flatten().map(|t| t.state).unwrap_or(TaskState::Submitting)
+        direct.get(r).await.ok().flatten().map(|t| t.state).unwrap_or(TaskState::Submitting { unknown: None })
     }
 }
 
@@ -264,7 +264,16 @@ async fn queue_and_store_down_together_is_a_5xx_and_the_poller_still_recovers() 
         owner: "net".into(),
         dead_letters: Arc::new(w.dlq.clone()),
     };
-    let tick = relay_poller::poll_once(&poller, w.clock.now(), Instant::now() + Duration::from_secs(60)).await;
+    // One poller invocation on the test's clock, driven as the simulation drives it.
+    let clock: Arc<dyn relay_shared::time::Clock> = Arc::new(w.clock.clone());
+    let deadline = w.clock.now().plus(Duration::from_secs(75));
+    let busy = clock.busy();
+    let run = tokio::spawn(async move {
+        let _busy = busy;
+        relay_poller::run_invocation(&poller, clock, deadline).await
+    });
+    w.clock.run_until(deadline).await;
+    let tick = run.await?;
     assert_eq!(tick.recovered, 1, "{tick:?}");
     match w.state(&r).await {
         TaskState::Solved { solution, via, .. } => assert_eq!((solution.expose(), via), (answer.as_str(), Via::Poll)),

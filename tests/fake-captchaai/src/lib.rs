@@ -1,19 +1,34 @@
 //! A fake CaptchaAI: a real HTTP server speaking the 2captcha v1 protocol (in.php, res.php,
-//! pingbacks by GET or POST form), with knobs for the faults the relay must survive.
+//! pingbacks by GET or POST form) that can behave like CaptchaAI at its worst.
 //!
-//! It solves each task after a delay, then delivers the pingback — or drops it, delivers it
-//! twice, or late — and counts every request it receives so tests can assert on traffic.
+//! It runs on a [`Clock`]: the system's for tests in real time, or a simulated one
+//! ([`relay_time::ManualClock`]) so an hour of traffic takes seconds. On it:
+//! - solve times per kind (`realistic_solve_times`: image 5–20 s, Turnstile 10–15 s,
+//!   reCAPTCHA/hCaptcha 15–60 s), each task's solve time recorded for age checks, and a share of
+//!   tasks ending `ERROR_CAPTCHA_UNSOLVABLE` (after 90 s, 300 s for reCAPTCHA v2);
+//! - pingbacks dropped, duplicated, late — by seeded chance, so runs repeat;
+//! - `ids=` not understood (`batch_supported: false` answers what a server ignoring it would);
+//! - the ban rules enforced: `ERROR: 1005` when res.php requests R > 20 × C + 1200 in the window,
+//!   `ERROR: 1004` after 5 bad-key requests in a minute, `MAX_USER_TURN` for more than 60 submits
+//!   in 3 s, and `IP_BANNED` on demand; every request during a ban is answered with the ban and
+//!   counted;
+//! - fault windows on the clock: 5xx, HTML pages and slow answers, on in.php or res.php;
+//! - in.php answers that fail *after* the task was accepted (502, HTML, a cut connection, no
+//!   answer in time): the task is paid for and solved all the same.
+//!
+//! It counts every request it receives, so tests assert on traffic, not on what the relay says.
 
-use std::collections::HashMap;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::Router;
 use axum::extract::{Query, State};
 use axum::http::{HeaderMap, Method};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get};
+use relay_time::{Clock, SystemClock, Timestamp};
 use serde::{Deserialize, Serialize};
 
 /// How pingbacks are delivered.
@@ -26,14 +41,64 @@ pub enum CallbackMode {
     Post,
 }
 
+/// Which endpoint a fault window applies to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Endpoint {
+    InPhp,
+    ResPhp,
+    Both,
+}
+
+/// What a fault window does to each request in it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum FaultKind {
+    /// HTTP 502 with an HTML body, as a CDN in front of the origin answers.
+    Http5xx,
+    /// HTTP 200 with a maintenance page.
+    Html,
+    /// The answer, after a real-time delay (to provoke client timeouts).
+    Slow { ms: u64 },
+}
+
+/// A fault on the clock: from `from_ms` (inclusive) to `until_ms` (exclusive), epoch ms.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Fault {
+    pub from_ms: u64,
+    pub until_ms: u64,
+    pub endpoint: Endpoint,
+    #[serde(flatten)]
+    pub kind: FaultKind,
+}
+
+/// How in.php fails after it accepted a task (the task exists and is solved all the same).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AfterAccept {
+    /// HTTP 502 from a CDN in front of the origin.
+    Http502,
+    /// An HTML error page with status 200.
+    Html,
+    /// The connection is closed without an answer.
+    Cut,
+    /// No answer for this long (real time), then the normal answer.
+    Slow { ms: u64 },
+}
+
 /// The knobs. Change them at any time with [`FakeCaptchaAi::configure`] or `POST /_fake/config`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default)]
 pub struct FakeConfig {
     /// The account key in.php and res.php accept.
     pub api_key: String,
-    /// Time from submit to solved.
+    /// Time from submit to solved, when solve times are not realistic.
     pub solve_delay_ms: u64,
+    /// Solve times drawn per kind from the protocol's figures instead of `solve_delay_ms`.
+    pub realistic_solve_times: bool,
+    /// Fraction (0..=1) of tasks that end `ERROR_CAPTCHA_UNSOLVABLE` (after 90 s, 300 s for
+    /// reCAPTCHA v2; after `solve_delay_ms` when solve times are not realistic).
+    pub unsolvable: f64,
     pub callback_mode: CallbackMode,
     /// Fraction (0..=1) of pingbacks never sent.
     pub drop_callbacks: f64,
@@ -43,17 +108,32 @@ pub struct FakeConfig {
     pub callback_delay_ms: u64,
     /// Codes that the next submits answer, one each, in order (then submits succeed).
     pub submit_errors: Vec<String>,
+    /// How the next submits fail after accepting their task, one each, in order.
+    pub after_accept: Vec<AfterAccept>,
     /// If set, every task ends with this code instead of a solution.
     pub result_code: Option<String>,
-    /// Whether `res.php?action=get&ids=…` is understood.
+    /// Whether `res.php?action=get&ids=…` is understood. CaptchaAI is not known to: a server
+    /// that ignores `ids=` sees no `id` and answers `ERROR_WRONG_CAPTCHA_ID`.
     pub batch_supported: bool,
-    /// Seed for the drop/duplicate choices, so runs repeat.
+    /// Seed for every chance choice, so runs repeat.
     pub seed: u64,
-    /// Delay before in.php answers (to provoke client timeouts).
+    /// Delay (real time) before in.php answers.
     pub in_php_delay_ms: u64,
     /// Fraction (0..=1) of pingbacks sent late, `late_callback_ms` after the solve.
     pub late_callbacks: f64,
     pub late_callback_ms: u64,
+    /// Fraction (0..=1) of tasks that get a second pingback with a different answer
+    /// (`conflict-<id>`) a second after the real one, as a confused or malicious sender would.
+    pub conflicting_callbacks: f64,
+    /// Enforce the ban rules (1004, 1005, MAX_USER_TURN).
+    pub enforce_bans: bool,
+    /// The window of the R ≤ 20 × C + 1200 rule. The protocol gives no window; a day is taken
+    /// (the rule then holds for any client that keeps to ~20 reads a task). A 10-minute window
+    /// would ban any client that polls a burst of never-solving tasks by the documented
+    /// schedule, so it is not the rule CaptchaAI can be applying.
+    pub ban_window_ms: u64,
+    /// Fault windows on the clock.
+    pub faults: Vec<Fault>,
 }
 
 impl Default for FakeConfig {
@@ -61,18 +141,33 @@ impl Default for FakeConfig {
         Self {
             api_key: "0123456789abcdef0123456789abcdef".into(),
             solve_delay_ms: 50,
+            realistic_solve_times: false,
+            unsolvable: 0.0,
             callback_mode: CallbackMode::Get,
             drop_callbacks: 0.0,
             duplicate_callbacks: 0.0,
             callback_delay_ms: 0,
             submit_errors: Vec::new(),
+            after_accept: Vec::new(),
             result_code: None,
             batch_supported: true,
             seed: 7,
             in_php_delay_ms: 0,
             late_callbacks: 0.0,
             late_callback_ms: 0,
+            conflicting_callbacks: 0.0,
+            enforce_bans: true,
+            ban_window_ms: 86_400_000,
+            faults: Vec::new(),
         }
+    }
+}
+
+impl FakeConfig {
+    /// CaptchaAI at its worst, for simulations: realistic solve times, `ids=` not understood,
+    /// bans enforced. Faults and drop rates are the test's to add.
+    pub fn captchaai_like() -> Self {
+        Self { realistic_solve_times: true, batch_supported: false, ..Self::default() }
     }
 }
 
@@ -88,6 +183,16 @@ pub struct Counts {
     pub callbacks_dropped: u64,
     /// Pingbacks that got no 2xx (or no answer) from the receiver.
     pub callbacks_failed: u64,
+    /// Bans imposed (by a rule or on demand).
+    pub bans: u64,
+    /// Requests that arrived during a ban (each answered with it).
+    pub requests_during_ban: u64,
+    /// Requests answered by a fault window (5xx, HTML, slow).
+    pub fault_answers: u64,
+    /// Submits that were accepted and then answered with a failure.
+    pub accepted_then_failed: u64,
+    /// Pingbacks sent with a different answer than the task's.
+    pub conflicting_sent: u64,
 }
 
 /// One task the fake knows.
@@ -96,15 +201,20 @@ pub struct FakeTask {
     pub id: u64,
     pub method: String,
     pub pingback: Option<String>,
-    /// The answer (a token or an error code) once solved.
+    /// The answer (a token or an error code), once solved.
     pub answer: Option<String>,
+    pub submitted_at: Timestamp,
+    /// When it is (or was) solved: a token's age counts from here.
+    pub solved_at: Timestamp,
     pub callback_statuses: Vec<u16>,
-    /// Pingbacks the fake decided to send at solve time (0 = dropped, 2 = duplicated).
+    /// Pingbacks the fake decided to send (0 = dropped, 2 = duplicated).
     pub pingbacks_planned: u8,
     /// Whether those pingbacks are sent late (`late_callback_ms` after the solve).
     pub late: bool,
+    /// res.php reads of this task (a batch read counts once per id).
+    pub reads: u32,
     #[serde(skip)]
-    solved_at: Option<Instant>,
+    result: String,
 }
 
 impl FakeTask {
@@ -114,17 +224,29 @@ impl FakeTask {
     }
 }
 
+/// A pingback to send at a time: (time, task id, 0 = its answer / 1 = a conflicting one).
+#[derive(Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct Due(std::cmp::Reverse<(u64, u64, u8)>);
+
 struct Inner {
     config: FakeConfig,
     counts: Counts,
     tasks: HashMap<u64, FakeTask>,
     next_id: u64,
+    pingbacks: BinaryHeap<Due>,
+    /// The ban in force: until (epoch ms) and its code.
+    ban: Option<(u64, String)>,
+    res_php_times: VecDeque<u64>,
+    accept_times: VecDeque<u64>,
+    bad_key_times: VecDeque<u64>,
+    submit_times: VecDeque<u64>,
 }
 
 #[derive(Clone)]
 struct Shared {
     inner: Arc<Mutex<Inner>>,
     http: reqwest::Client,
+    clock: Arc<dyn Clock>,
 }
 
 impl Shared {
@@ -132,24 +254,28 @@ impl Shared {
         // A poisoned lock only means a test thread panicked; the data is still usable.
         self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
+
+    fn now(&self) -> u64 {
+        self.clock.now().as_millis()
+    }
 }
 
-/// A running fake. Dropping it stops the server.
+/// A running fake. Dropping it stops the server and its pingbacks.
 pub struct FakeCaptchaAi {
     addr: SocketAddr,
     shared: Shared,
-    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    shutdown: Option<tokio::sync::watch::Sender<bool>>,
 }
 
 impl Drop for FakeCaptchaAi {
     fn drop(&mut self) {
         if let Some(tx) = self.shutdown.take() {
-            let _ = tx.send(());
+            let _ = tx.send(true);
         }
     }
 }
 
-/// splitmix64: a tiny deterministic mixer for the fault choices.
+/// splitmix64: a tiny deterministic mixer for the chance choices.
 fn mix(mut z: u64) -> u64 {
     z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -157,26 +283,57 @@ fn mix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// A uniform number in [0, 1) from the seed, the task and a salt.
+fn unit(seed: u64, id: u64, salt: u64) -> f64 {
+    (mix(seed ^ mix(id ^ salt)) >> 11) as f64 / (1u64 << 53) as f64
+}
+
 fn chance(seed: u64, id: u64, salt: u64, p: f64) -> bool {
-    let x = mix(seed ^ mix(id ^ salt)) as f64 / u64::MAX as f64;
-    x < p
+    unit(seed, id, salt) < p
+}
+
+/// Solve time range (ms) by what was submitted, per the protocol's figures.
+fn solve_range(p: &HashMap<String, String>) -> (u64, u64) {
+    match p.get("method").map(String::as_str) {
+        Some("turnstile") => (10_000, 15_000),
+        Some("userrecaptcha" | "hcaptcha") => (15_000, 60_000),
+        _ => (5_000, 20_000),
+    }
+}
+
+/// When CaptchaAI gives up on a task (ms after submit).
+fn give_up_after(p: &HashMap<String, String>) -> u64 {
+    let v3 = p.get("version").is_some_and(|v| v == "v3");
+    if p.get("method").is_some_and(|m| m == "userrecaptcha") && !v3 { 300_000 } else { 90_000 }
 }
 
 impl FakeCaptchaAi {
-    /// Starts on 127.0.0.1 on a free port.
+    /// Starts on 127.0.0.1 on a free port, in real time.
     pub async fn start(config: FakeConfig) -> anyhow::Result<Self> {
-        Self::start_on("127.0.0.1:0", config).await
+        Self::start_with_clock("127.0.0.1:0", config, Arc::new(SystemClock)).await
     }
 
     pub async fn start_on(bind: &str, config: FakeConfig) -> anyhow::Result<Self> {
+        Self::start_with_clock(bind, config, Arc::new(SystemClock)).await
+    }
+
+    /// Starts on a clock of the caller's (a simulated one, say).
+    pub async fn start_with_clock(bind: &str, config: FakeConfig, clock: Arc<dyn Clock>) -> anyhow::Result<Self> {
         let shared = Shared {
             inner: Arc::new(Mutex::new(Inner {
                 config,
                 counts: Counts::default(),
                 tasks: HashMap::new(),
                 next_id: 70_000_000,
+                pingbacks: BinaryHeap::new(),
+                ban: None,
+                res_php_times: VecDeque::new(),
+                accept_times: VecDeque::new(),
+                bad_key_times: VecDeque::new(),
+                submit_times: VecDeque::new(),
             })),
             http: reqwest::Client::builder().timeout(Duration::from_secs(10)).build()?,
+            clock,
         };
         let app = Router::new()
             .route("/in.php", any(in_php))
@@ -186,14 +343,18 @@ impl FakeCaptchaAi {
             .with_state(shared.clone());
         let listener = tokio::net::TcpListener::bind(bind).await?;
         let addr = listener.local_addr()?;
-        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let (tx, rx) = tokio::sync::watch::channel(false);
+        let mut server_rx = rx.clone();
         tokio::spawn(async move {
             let _ = axum::serve(listener, app)
                 .with_graceful_shutdown(async move {
-                    let _ = rx.await;
+                    let _ = server_rx.wait_for(|s| *s).await;
                 })
                 .await;
         });
+        // The pingback sender is an actor on the clock: it holds a busy guard for its life.
+        let busy = shared.clock.busy();
+        tokio::spawn(dispatch_pingbacks(shared.clone(), rx, busy));
         Ok(Self { addr, shared, shutdown: Some(tx) })
     }
 
@@ -214,39 +375,60 @@ impl FakeCaptchaAi {
         f(&mut self.shared.lock().config);
     }
 
+    /// Bans every request (`IP_BANNED`) for `d` from now on the fake's clock.
+    pub fn ban_ip(&self, d: Duration) {
+        let until = self.shared.now().saturating_add(u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        let mut g = self.shared.lock();
+        g.ban = Some((until, "IP_BANNED".into()));
+        g.counts.bans += 1;
+    }
+
+    /// The ban in force now, if any: until when, and its code.
+    pub fn ban_in_force(&self) -> Option<(Timestamp, String)> {
+        let now = self.shared.now();
+        self.shared.lock().ban.clone().filter(|(u, _)| *u > now).map(|(u, c)| (Timestamp::from_millis(u), c))
+    }
+
     pub fn task(&self, id: &str) -> Option<FakeTask> {
-        let id: u64 = id.parse().ok()?;
-        self.shared.lock().tasks.get(&id).cloned()
+        let id: u64 = id.trim().parse().ok()?;
+        let now = self.shared.now();
+        self.shared.lock().tasks.get(&id).map(|t| snapshot(t, now))
     }
 
     pub fn tasks(&self) -> Vec<FakeTask> {
-        let mut v: Vec<FakeTask> = self.shared.lock().tasks.values().cloned().collect();
+        let now = self.shared.now();
+        let mut v: Vec<FakeTask> = self.shared.lock().tasks.values().map(|t| snapshot(t, now)).collect();
         v.sort_by_key(|t| t.id);
         v
     }
 
     /// Adds `n` tasks that are already solved, without pingbacks (for bulk poller tests).
     pub fn preload_solved(&self, n: usize) -> Vec<String> {
+        let now = self.shared.now();
         let mut g = self.shared.lock();
         let seed = g.config.seed;
         (0..n)
             .map(|_| {
                 g.next_id += 1;
                 let id = g.next_id;
-                let answer = Some(format!("fake-token-{id}-{:016x}", mix(seed ^ id)));
                 g.tasks.insert(
                     id,
                     FakeTask {
                         id,
                         method: "turnstile".into(),
                         pingback: None,
-                        answer,
+                        answer: None,
+                        submitted_at: Timestamp::from_millis(now),
+                        solved_at: Timestamp::from_millis(now),
                         callback_statuses: Vec::new(),
                         pingbacks_planned: 0,
                         late: false,
-                        solved_at: Some(Instant::now()),
+                        reads: 0,
+                        result: token(seed, id),
                     },
                 );
+                g.counts.tasks_accepted += 1;
+                g.accept_times.push_back(now);
                 id.to_string()
             })
             .collect()
@@ -265,6 +447,16 @@ impl FakeCaptchaAi {
     }
 }
 
+fn token(seed: u64, id: u64) -> String {
+    format!("fake-token-{id}-{:016x}", mix(seed ^ id))
+}
+
+fn snapshot(t: &FakeTask, now: u64) -> FakeTask {
+    let mut s = t.clone();
+    s.answer = (now >= t.solved_at.as_millis()).then(|| t.result.clone());
+    s
+}
+
 async fn send_pingback(
     http: &reqwest::Client,
     url: &str,
@@ -280,12 +472,74 @@ async fn send_pingback(
     Ok(req.send().await?.status().as_u16())
 }
 
+/// Sends pingbacks when they fall due, on the clock, until the fake stops.
+async fn dispatch_pingbacks(shared: Shared, mut stop: tokio::sync::watch::Receiver<bool>, busy: relay_time::Busy) {
+    let _busy = busy;
+    // How often it looks for new work when none is due sooner: simulated time is free to step.
+    let cadence = if shared.clock.is_simulated() { Duration::from_secs(1) } else { Duration::from_millis(20) };
+    loop {
+        let now = shared.now();
+        let due: Vec<(u64, String, String, CallbackMode)> = {
+            let mut g = shared.lock();
+            let mut out = Vec::new();
+            while g.pingbacks.peek().is_some_and(|Due(std::cmp::Reverse((t, _, _)))| *t <= now) {
+                let Some(Due(std::cmp::Reverse((_, id, variant)))) = g.pingbacks.pop() else { break };
+                let mode = g.config.callback_mode;
+                // A conflicting pingback goes out only once the real one was taken (2xx), so it
+                // is a conflict and not a race; until then it waits.
+                let real_taken =
+                    g.tasks.get(&id).is_some_and(|t| t.callback_statuses.iter().any(|s| (200..300).contains(s)));
+                if variant == 1 && !real_taken {
+                    g.pingbacks.push(Due(std::cmp::Reverse((now + 60_000, id, 1))));
+                    continue;
+                }
+                if let Some(t) = g.tasks.get(&id)
+                    && let Some(url) = &t.pingback
+                {
+                    let code = if variant == 1 { format!("conflict-{id}") } else { t.result.clone() };
+                    out.push((id, url.clone(), code, mode));
+                }
+                if variant == 1 {
+                    g.counts.conflicting_sent += 1;
+                }
+            }
+            out
+        };
+        let mut sends = tokio::task::JoinSet::new();
+        for (id, url, code, mode) in due {
+            let (http, shared) = (shared.http.clone(), shared.clone());
+            sends.spawn(async move {
+                let status = send_pingback(&http, &url, mode, id, &code).await.unwrap_or(0);
+                let mut g = shared.lock();
+                g.counts.callbacks_sent += 1;
+                if !(200..300).contains(&status) {
+                    g.counts.callbacks_failed += 1;
+                }
+                if let Some(t) = g.tasks.get_mut(&id) {
+                    t.callback_statuses.push(status);
+                }
+            });
+        }
+        while sends.join_next().await.is_some() {}
+        let next = {
+            let g = shared.lock();
+            g.pingbacks.peek().map(|Due(std::cmp::Reverse((t, _, _)))| *t)
+        };
+        let wake = Timestamp::from_millis(now).plus(cadence);
+        let wake = next.map_or(wake, |t| wake.min(Timestamp::from_millis(t)));
+        tokio::select! {
+            _ = shared.clock.sleep_until(wake) => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+    }
+}
+
 /// Form or query parameters, whichever the request used.
-async fn params(
+fn params(
     method: &Method,
     headers: &HeaderMap,
     query: HashMap<String, String>,
-    body: axum::body::Bytes,
+    body: &axum::body::Bytes,
 ) -> HashMap<String, String> {
     let mut p = query;
     let is_form = headers
@@ -294,7 +548,7 @@ async fn params(
         .is_some_and(|v| v.starts_with("application/x-www-form-urlencoded"));
     if *method == Method::POST
         && is_form
-        && let Ok(form) = serde_urlencoded::from_bytes::<Vec<(String, String)>>(&body)
+        && let Ok(form) = serde_urlencoded::from_bytes::<Vec<(String, String)>>(body)
     {
         p.extend(form);
     }
@@ -333,6 +587,86 @@ fn missing_param(p: &HashMap<String, String>) -> Option<&'static str> {
     }
 }
 
+fn html_page(status: u16) -> Response {
+    let body = "<!DOCTYPE html><html><head><title>Error</title></head><body><h1>Bad gateway</h1></body></html>";
+    (
+        axum::http::StatusCode::from_u16(status).unwrap_or(axum::http::StatusCode::BAD_GATEWAY),
+        axum::response::Html(body),
+    )
+        .into_response()
+}
+
+/// Drops the connection without an answer (the server task ends mid-request). No panic hook
+/// runs for `resume_unwind`, so nothing is printed.
+fn cut_connection() -> ! {
+    std::panic::resume_unwind(Box::new("fake-captchaai: connection cut on purpose"))
+}
+
+/// The fault window in force for `endpoint` at `now`, if any.
+fn fault_at(g: &Inner, endpoint: Endpoint, now: u64) -> Option<FaultKind> {
+    g.config
+        .faults
+        .iter()
+        .find(|f| (f.endpoint == endpoint || f.endpoint == Endpoint::Both) && (f.from_ms..f.until_ms).contains(&now))
+        .map(|f| f.kind)
+}
+
+/// Keeps only the times inside the window ending now.
+fn trim(times: &mut VecDeque<u64>, now: u64, window: u64) {
+    while times.front().is_some_and(|t| *t + window <= now) {
+        times.pop_front();
+    }
+}
+
+/// The ban rules, before a request is served. `Some(code)`: answer that code.
+fn ban_check(g: &mut Inner, now: u64) -> Option<String> {
+    if let Some((until, code)) = &g.ban {
+        if now < *until {
+            let code = code.clone();
+            g.counts.requests_during_ban += 1;
+            return Some(code);
+        }
+        g.ban = None;
+    }
+    None
+}
+
+fn impose(g: &mut Inner, now: u64, ms: u64, code: &str) {
+    g.ban = Some((now + ms, code.to_owned()));
+    g.counts.bans += 1;
+    tracing::warn!(code, "fake CaptchaAI imposed a ban");
+}
+
+/// Counts a bad-key answer; the fifth in a minute bans the IP for 10 minutes (`ERROR: 1004`).
+fn bad_key(g: &mut Inner, now: u64) {
+    g.bad_key_times.push_back(now);
+    trim(&mut g.bad_key_times, now, 60_000);
+    if g.config.enforce_bans && g.bad_key_times.len() >= 5 {
+        impose(g, now, 600_000, "ERROR: 1004");
+    }
+}
+
+/// A fault's answer, if one is in force (slow answers sleep in real time, then go on).
+async fn apply_fault(shared: &Shared, endpoint: Endpoint) -> Option<Response> {
+    let now = shared.now();
+    let fault = {
+        let mut g = shared.lock();
+        let f = fault_at(&g, endpoint, now);
+        if f.is_some() {
+            g.counts.fault_answers += 1;
+        }
+        f
+    };
+    match fault? {
+        FaultKind::Http5xx => Some(html_page(502)),
+        FaultKind::Html => Some(html_page(200)),
+        FaultKind::Slow { ms } => {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            None
+        }
+    }
+}
+
 async fn in_php(
     State(shared): State<Shared>,
     method: Method,
@@ -340,7 +674,7 @@ async fn in_php(
     Query(query): Query<HashMap<String, String>>,
     body: axum::body::Bytes,
 ) -> Response {
-    let p = params(&method, &headers, query, body).await;
+    let p = params(&method, &headers, query, &body);
     let json = p.get("json").is_some_and(|v| v == "1");
     let slow = {
         let mut g = shared.lock();
@@ -350,10 +684,24 @@ async fn in_php(
     if slow > 0 {
         tokio::time::sleep(Duration::from_millis(slow)).await;
     }
-    let (id, delay, recaptcha) = {
+    if let Some(r) = apply_fault(&shared, Endpoint::InPhp).await {
+        return r;
+    }
+    let now = shared.now();
+    let (id, recaptcha, after) = {
         let mut g = shared.lock();
+        if let Some(code) = ban_check(&mut g, now) {
+            return answer(json, false, code.into());
+        }
         if let Some(e) = key_error(p.get("key"), &g.config.api_key) {
+            bad_key(&mut g, now);
             return answer(json, false, e.into());
+        }
+        g.submit_times.push_back(now);
+        trim(&mut g.submit_times, now, 3_000);
+        if g.config.enforce_bans && g.submit_times.len() > 60 {
+            impose(&mut g, now, 10_000, "MAX_USER_TURN");
+            return answer(json, false, "MAX_USER_TURN".into());
         }
         if let Some(e) = missing_param(&p) {
             return answer(json, false, e.into());
@@ -364,84 +712,90 @@ async fn in_php(
         }
         g.next_id += 1;
         let id = g.next_id;
-        g.counts.tasks_accepted += 1;
+        let cfg = g.config.clone();
+        let (lo, hi) = solve_range(&p);
+        let unsolvable = chance(cfg.seed, id, 4, cfg.unsolvable);
+        let solve_ms = match (cfg.realistic_solve_times, unsolvable) {
+            (true, true) => give_up_after(&p),
+            (true, false) => lo + ((hi - lo) as f64 * unit(cfg.seed, id, 5)) as u64,
+            (false, _) => cfg.solve_delay_ms,
+        };
+        let result = match (&cfg.result_code, unsolvable) {
+            (Some(c), _) => c.clone(),
+            (None, true) => "ERROR_CAPTCHA_UNSOLVABLE".into(),
+            (None, false) => token(cfg.seed, id),
+        };
         let m = p.get("method").cloned().unwrap_or_default();
         let recaptcha = m == "userrecaptcha";
+        let pingback = p.get("pingback").cloned();
+        let solved_at = now + solve_ms;
+        let mut planned = 0u8;
+        let mut late = false;
+        if pingback.is_some() {
+            if chance(cfg.seed, id, 1, cfg.drop_callbacks) {
+                g.counts.callbacks_dropped += 1;
+            } else {
+                planned = if chance(cfg.seed, id, 2, cfg.duplicate_callbacks) { 2 } else { 1 };
+                late = chance(cfg.seed, id, 3, cfg.late_callbacks);
+                let at = solved_at + cfg.callback_delay_ms + if late { cfg.late_callback_ms } else { 0 };
+                for _ in 0..planned {
+                    g.pingbacks.push(Due(std::cmp::Reverse((at, id, 0))));
+                }
+                if chance(cfg.seed, id, 6, cfg.conflicting_callbacks) {
+                    g.pingbacks.push(Due(std::cmp::Reverse((at + 1_000, id, 1))));
+                }
+            }
+        }
         g.tasks.insert(
             id,
             FakeTask {
                 id,
                 method: m,
-                pingback: p.get("pingback").cloned(),
+                pingback,
                 answer: None,
+                submitted_at: Timestamp::from_millis(now),
+                solved_at: Timestamp::from_millis(solved_at),
                 callback_statuses: Vec::new(),
-                pingbacks_planned: 0,
-                late: false,
-                solved_at: None,
+                pingbacks_planned: planned,
+                late,
+                reads: 0,
+                result,
             },
         );
-        (id, g.config.solve_delay_ms, recaptcha)
+        g.counts.tasks_accepted += 1;
+        g.accept_times.push_back(now);
+        let after = if g.config.after_accept.is_empty() { None } else { Some(g.config.after_accept.remove(0)) };
+        if after.is_some() {
+            g.counts.accepted_then_failed += 1;
+        }
+        (id, recaptcha, after)
     };
-    let worker = shared.clone();
-    tokio::spawn(async move { solve_and_deliver(worker, id, delay).await });
+    match after {
+        Some(AfterAccept::Http502) => return html_page(502),
+        Some(AfterAccept::Html) => return html_page(200),
+        Some(AfterAccept::Cut) => cut_connection(),
+        Some(AfterAccept::Slow { ms }) => tokio::time::sleep(Duration::from_millis(ms)).await,
+        None => {}
+    }
     // The id comes back as a JSON number for userrecaptcha, as a string otherwise.
     let id_json = if recaptcha { serde_json::json!(id) } else { serde_json::json!(id.to_string()) };
     answer(json, true, id_json)
 }
 
-async fn solve_and_deliver(shared: Shared, id: u64, delay_ms: u64) {
-    tokio::time::sleep(Duration::from_millis(delay_ms)).await;
-    let plan = {
-        let mut g = shared.lock();
-        let cfg = g.config.clone();
-        let Some(t) = g.tasks.get_mut(&id) else { return };
-        let code = cfg.result_code.clone().unwrap_or_else(|| format!("fake-token-{id}-{:016x}", mix(cfg.seed ^ id)));
-        t.answer = Some(code.clone());
-        t.solved_at = Some(Instant::now());
-        let url = t.pingback.clone();
-        match url {
-            None => None,
-            Some(_) if chance(cfg.seed, id, 1, cfg.drop_callbacks) => {
-                g.counts.callbacks_dropped += 1;
-                None
-            }
-            Some(url) => {
-                let times = if chance(cfg.seed, id, 2, cfg.duplicate_callbacks) { 2 } else { 1 };
-                let late = chance(cfg.seed, id, 3, cfg.late_callbacks);
-                if let Some(t) = g.tasks.get_mut(&id) {
-                    t.pingbacks_planned = times;
-                    t.late = late;
-                }
-                let delay = cfg.callback_delay_ms + if late { cfg.late_callback_ms } else { 0 };
-                Some((url, code, times, cfg.callback_mode, delay))
-            }
-        }
-    };
-    let Some((url, code, times, mode, cb_delay)) = plan else { return };
-    if cb_delay > 0 {
-        tokio::time::sleep(Duration::from_millis(cb_delay)).await;
-    }
-    for _ in 0..times {
-        let status = send_pingback(&shared.http, &url, mode, id, &code).await.unwrap_or(0);
-        let mut g = shared.lock();
-        g.counts.callbacks_sent += 1;
-        if !(200..300).contains(&status) {
-            g.counts.callbacks_failed += 1;
-        }
-        if let Some(t) = g.tasks.get_mut(&id) {
-            t.callback_statuses.push(status);
-        }
+fn count_read(g: &mut Inner, id: &str) {
+    if let Some(t) = id.trim().parse::<u64>().ok().and_then(|n| g.tasks.get_mut(&n)) {
+        t.reads += 1;
     }
 }
 
-fn read_one(g: &Inner, id: &str) -> (bool, String) {
+fn read_one(g: &Inner, id: &str, now: u64) -> (bool, String) {
     match id.trim().parse::<u64>().ok().and_then(|n| g.tasks.get(&n)) {
         None => (false, "ERROR_WRONG_CAPTCHA_ID".into()),
-        Some(t) => match (&t.answer, &g.config.result_code) {
-            (None, _) => (false, "CAPCHA_NOT_READY".into()),
-            (Some(a), Some(c)) if a == c => (false, a.clone()),
-            (Some(a), _) => (true, a.clone()),
-        },
+        Some(t) if now < t.solved_at.as_millis() => (false, "CAPCHA_NOT_READY".into()),
+        Some(t) => {
+            let is_code = t.result.starts_with("ERROR") || g.config.result_code.as_deref() == Some(t.result.as_str());
+            (!is_code, t.result.clone())
+        }
     }
 }
 
@@ -452,12 +806,30 @@ async fn res_php(
     Query(query): Query<HashMap<String, String>>,
     body: axum::body::Bytes,
 ) -> Response {
-    let p = params(&method, &headers, query, body).await;
+    let p = params(&method, &headers, query, &body);
     let json = p.get("json").is_some_and(|v| v == "1");
+    shared.lock().counts.res_php += 1;
+    if let Some(r) = apply_fault(&shared, Endpoint::ResPhp).await {
+        return r;
+    }
+    let now = shared.now();
     let mut g = shared.lock();
-    g.counts.res_php += 1;
+    if let Some(code) = ban_check(&mut g, now) {
+        return answer(json, false, code.into());
+    }
     if let Some(e) = key_error(p.get("key"), &g.config.api_key) {
+        bad_key(&mut g, now);
         return answer(json, false, e.into());
+    }
+    // R > 20 × C + 1200 within the window: the account is suspended (ERROR: 1005).
+    let window = g.config.ban_window_ms;
+    g.res_php_times.push_back(now);
+    trim(&mut g.res_php_times, now, window);
+    trim(&mut g.accept_times, now, window);
+    let (r, c) = (g.res_php_times.len() as u64, g.accept_times.len() as u64);
+    if g.config.enforce_bans && r > 20 * c + 1200 {
+        impose(&mut g, now, 600_000, "ERROR: 1005");
+        return answer(json, false, "ERROR: 1005".into());
     }
     match p.get("action").map(String::as_str) {
         Some("get") => {}
@@ -467,16 +839,19 @@ async fn res_php(
     }
     if let Some(ids) = p.get("ids") {
         if !g.config.batch_supported {
-            return answer(json, false, "ERROR_WRONG_ID_FORMAT".into());
+            // A server that does not know `ids=` looks for `id` and finds none.
+            return answer(json, false, "ERROR_WRONG_CAPTCHA_ID".into());
         }
-        let ids: Vec<&str> = ids.split(',').filter(|s| !s.is_empty()).collect();
+        let ids: Vec<String> = ids.split(',').filter(|s| !s.is_empty()).map(str::to_owned).collect();
         g.counts.res_php_ids += ids.len() as u64;
-        let parts: Vec<String> = ids.iter().map(|id| read_one(&g, id).1).collect();
+        ids.iter().for_each(|id| count_read(&mut g, id));
+        let parts: Vec<String> = ids.iter().map(|id| read_one(&g, id, now).1).collect();
         return answer(json, true, parts.join("|").into());
     }
-    let Some(id) = p.get("id") else { return answer(json, false, "ERROR_WRONG_ID_FORMAT".into()) };
+    let Some(id) = p.get("id") else { return answer(json, false, "ERROR_WRONG_CAPTCHA_ID".into()) };
     g.counts.res_php_ids += 1;
-    let (ok, text) = read_one(&g, id);
+    count_read(&mut g, id);
+    let (ok, text) = read_one(&g, id, now);
     answer(json, ok, text.into())
 }
 
@@ -493,13 +868,32 @@ async fn set_config(State(shared): State<Shared>, axum::Json(cfg): axum::Json<Fa
 #[cfg(test)]
 mod tests {
     use super::*;
+    use relay_time::ManualClock;
 
     #[test]
-    fn fault_choices_follow_the_rates() {
+    fn chance_choices_follow_the_rates() {
         let dropped = (0..10_000u64).filter(|id| chance(7, *id, 1, 0.3)).count();
         assert!((2_700..3_300).contains(&dropped), "{dropped}");
         assert_eq!((0..1000u64).filter(|id| chance(7, *id, 1, 0.0)).count(), 0);
         assert_eq!((0..1000u64).filter(|id| chance(7, *id, 1, 1.0)).count(), 1000);
+    }
+
+    async fn submit(http: &reqwest::Client, fake: &FakeCaptchaAi, method: &str) -> anyhow::Result<serde_json::Value> {
+        Ok(http
+            .post(format!("{}/in.php", fake.base_url()))
+            .form(&[
+                ("key", fake.api_key().as_str()),
+                ("method", method),
+                ("googlekey", "g"),
+                ("sitekey", "s"),
+                ("pageurl", "https://a.example"),
+                ("body", "aGk="),
+                ("json", "1"),
+            ])
+            .send()
+            .await?
+            .json()
+            .await?)
     }
 
     #[tokio::test]
@@ -507,19 +901,7 @@ mod tests {
         let fake = FakeCaptchaAi::start(FakeConfig { solve_delay_ms: 30, ..FakeConfig::default() }).await?;
         let http = reqwest::Client::new();
         let key = fake.api_key();
-        let r: serde_json::Value = http
-            .post(format!("{}/in.php", fake.base_url()))
-            .form(&[
-                ("key", key.as_str()),
-                ("method", "userrecaptcha"),
-                ("googlekey", "g"),
-                ("pageurl", "https://a.example"),
-                ("json", "1"),
-            ])
-            .send()
-            .await?
-            .json()
-            .await?;
+        let r = submit(&http, &fake, "userrecaptcha").await?;
         assert_eq!(r["status"], 1);
         assert!(r["request"].is_number(), "userrecaptcha ids are JSON numbers: {r}");
         let id = r["request"].to_string();
@@ -533,6 +915,104 @@ mod tests {
         assert_eq!(bad, "ERROR_WRONG_USER_KEY");
         assert_eq!(fake.counts().res_php, 3);
         assert_eq!(fake.counts().in_php, 1);
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn solve_times_follow_the_kind_on_a_simulated_clock() -> anyhow::Result<()> {
+        let clock = ManualClock::at(Timestamp::from_millis(1_796_210_146_000));
+        let fake =
+            FakeCaptchaAi::start_with_clock("127.0.0.1:0", FakeConfig::captchaai_like(), Arc::new(clock.clone()))
+                .await?;
+        let http = reqwest::Client::new();
+        for (method, lo, hi) in [("turnstile", 10, 15), ("userrecaptcha", 15, 60), ("base64", 5, 20)] {
+            for _ in 0..20 {
+                let id = submit(&http, &fake, method).await?["request"].to_string().replace('"', "");
+                let t = fake.task(&id).expect("known");
+                let secs = t.solved_at.since(t.submitted_at).as_secs_f64();
+                assert!((lo as f64..=hi as f64).contains(&secs), "{method}: {secs}");
+                assert_eq!(t.answer, None, "not solved before its time");
+            }
+        }
+        clock.advance(Duration::from_secs(61));
+        assert!(fake.tasks().iter().all(|t| t.answer.is_some()), "all solved by 60 s");
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn bans_are_enforced_and_every_request_during_one_is_counted() -> anyhow::Result<()> {
+        let clock = ManualClock::at(Timestamp::from_millis(1_796_210_146_000));
+        let fake =
+            FakeCaptchaAi::start_with_clock("127.0.0.1:0", FakeConfig::default(), Arc::new(clock.clone())).await?;
+        let http = reqwest::Client::new();
+        let get = |key: String, id: &str| {
+            let url = format!("{}/res.php?key={key}&action=get&id={id}", fake.base_url());
+            let http = http.clone();
+            async move { http.get(url).send().await?.text().await }
+        };
+        // 5 bad-key requests in a minute: the IP is banned for 10 minutes.
+        for _ in 0..5 {
+            assert_eq!(get("0000000000000000000000000000000x".into(), "1").await?, "ERROR_KEY_DOES_NOT_EXIST");
+        }
+        assert_eq!(get(fake.api_key(), "1").await?, "ERROR: 1004");
+        clock.advance(Duration::from_secs(599));
+        assert_eq!(get(fake.api_key(), "1").await?, "ERROR: 1004");
+        clock.advance(Duration::from_secs(2));
+        assert_eq!(get(fake.api_key(), "1").await?, "ERROR_WRONG_CAPTCHA_ID", "lifted after 10 minutes");
+        assert_eq!(fake.counts().requests_during_ban, 2);
+        // R > 20 C + 1200 with no captchas: the 1201st read is refused with ERROR: 1005.
+        for _ in 0..1199 {
+            get(fake.api_key(), "1").await?;
+        }
+        assert_eq!(get(fake.api_key(), "1").await?, "ERROR: 1005");
+        // On demand.
+        clock.advance(Duration::from_secs(601));
+        fake.ban_ip(Duration::from_secs(300));
+        assert_eq!(get(fake.api_key(), "1").await?, "IP_BANNED");
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn pingbacks_go_out_when_their_time_comes_on_the_clock() -> anyhow::Result<()> {
+        // A receiver that records what it gets.
+        let got = Arc::new(Mutex::new(Vec::<String>::new()));
+        let g2 = got.clone();
+        let app = Router::new().route(
+            "/cb",
+            get(move |Query(q): Query<HashMap<String, String>>| {
+                let g2 = g2.clone();
+                async move {
+                    g2.lock().expect("lock").push(q.get("code").cloned().unwrap_or_default());
+                    "ok"
+                }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let cb = format!("http://{}/cb", listener.local_addr()?);
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        let clock = ManualClock::at(Timestamp::from_millis(1_796_210_146_000));
+        let fake =
+            FakeCaptchaAi::start_with_clock("127.0.0.1:0", FakeConfig::captchaai_like(), Arc::new(clock.clone()))
+                .await?;
+        let r: serde_json::Value = reqwest::Client::new()
+            .post(format!("{}/in.php", fake.base_url()))
+            .form(&[
+                ("key", fake.api_key().as_str()),
+                ("method", "turnstile"),
+                ("sitekey", "s"),
+                ("pageurl", "https://a.example"),
+                ("pingback", cb.as_str()),
+                ("json", "1"),
+            ])
+            .send()
+            .await?
+            .json()
+            .await?;
+        let id = r["request"].as_str().unwrap_or_default().to_owned();
+        clock.run_until(clock.now().plus(Duration::from_secs(9))).await;
+        assert!(got.lock().expect("lock").is_empty(), "Turnstile takes 10–15 s");
+        clock.run_until(clock.now().plus(Duration::from_secs(7))).await;
+        assert_eq!(got.lock().expect("lock").clone(), vec![fake.task(&id).and_then(|t| t.answer).expect("solved")]);
         Ok(())
     }
 }

@@ -1,0 +1,397 @@
+//! Wall-clock time as milliseconds since the Unix epoch, behind a clock that tests can drive.
+//!
+//! Everything in the relay that waits — the poller between reads, between passes, until a ban
+//! lifts — waits on a [`Clock`], never on `tokio::time` directly. In production that is the
+//! [`SystemClock`]. In tests it is a [`ManualClock`], which is also a discrete-event simulator:
+//! [`ManualClock::run_until`] moves time straight to the next moment something sleeps until, as
+//! soon as nothing is working, so an hour of poller, fake CaptchaAI and owner takes seconds —
+//! with the deployed settings (rates, timeouts, grace), not shrunken ones.
+//!
+//! The simulator's one rule: a task that sleeps on the clock, or does work the simulation must
+//! wait for, holds a [`Busy`] guard ([`Clock::busy`]). Time moves only when every guard-holder
+//! is asleep on the clock. Real I/O (HTTP to a fake, the embedded DynamoDB engine) takes no
+//! simulated time; real timeouts (an HTTP client's) still run on real time.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+/// A point in time, milliseconds since the Unix epoch.
+#[derive(Copy, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Timestamp(u64);
+
+impl Timestamp {
+    pub const fn from_millis(ms: u64) -> Self {
+        Self(ms)
+    }
+
+    pub const fn as_millis(self) -> u64 {
+        self.0
+    }
+
+    pub const fn as_secs(self) -> u64 {
+        self.0 / 1000
+    }
+
+    #[must_use]
+    pub fn plus(self, d: Duration) -> Self {
+        Self(self.0.saturating_add(u64::try_from(d.as_millis()).unwrap_or(u64::MAX)))
+    }
+
+    #[must_use]
+    pub fn minus(self, d: Duration) -> Self {
+        Self(self.0.saturating_sub(u64::try_from(d.as_millis()).unwrap_or(u64::MAX)))
+    }
+
+    /// Time elapsed from `earlier` to `self`, zero if `earlier` is later.
+    pub fn since(self, earlier: Timestamp) -> Duration {
+        Duration::from_millis(self.0.saturating_sub(earlier.0))
+    }
+
+    /// RFC 3339 in UTC with millisecond precision, e.g. `2026-12-02T11:15:46.123Z`.
+    pub fn to_rfc3339(self) -> String {
+        humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(self.0)).to_string()
+    }
+}
+
+impl fmt::Debug for Timestamp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.to_rfc3339())
+    }
+}
+
+impl fmt::Display for Timestamp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_rfc3339())
+    }
+}
+
+/// A future that resolves when the clock reaches a time.
+pub type Sleep = Pin<Box<dyn Future<Output = ()> + Send + 'static>>;
+
+/// Where "now" comes from, and how to wait for a later "now". Handlers and workers read and
+/// wait for time only through this, so tests can move it.
+pub trait Clock: Send + Sync + fmt::Debug {
+    fn now(&self) -> Timestamp;
+
+    /// Resolves once the clock reads `t` or later.
+    fn sleep_until(&self, t: Timestamp) -> Sleep;
+
+    /// Marks work in progress that a simulated clock waits for before it moves. A no-op on the
+    /// system clock.
+    fn busy(&self) -> Busy {
+        Busy(None)
+    }
+
+    /// Whether time is simulated (moves only when told).
+    fn is_simulated(&self) -> bool {
+        false
+    }
+}
+
+/// Time from the operating system; waits are `tokio::time` sleeps.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct SystemClock;
+
+impl Clock for SystemClock {
+    fn now(&self) -> Timestamp {
+        let ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+            .unwrap_or(0);
+        Timestamp(ms)
+    }
+
+    fn sleep_until(&self, t: Timestamp) -> Sleep {
+        let wait = t.since(self.now());
+        Box::pin(tokio::time::sleep(wait))
+    }
+}
+
+/// Work in progress on a simulated clock (see the module docs). Dropping it ends the work.
+#[must_use = "the guard marks work only while it is alive"]
+pub struct Busy(Option<Arc<Sim>>);
+
+impl fmt::Debug for Busy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(if self.0.is_some() { "Busy(sim)" } else { "Busy(noop)" })
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        if let Some(sim) = self.0.take() {
+            sim.lock().busy -= 1;
+            sim.changed.notify_waiters();
+        }
+    }
+}
+
+struct Waiter {
+    waker: Waker,
+    fired: Arc<AtomicBool>,
+}
+
+#[derive(Default)]
+struct SimState {
+    now: u64,
+    /// Registered sleeps by (wake time, sequence).
+    waiters: BTreeMap<(u64, u64), Waiter>,
+    seq: u64,
+    /// Live [`Busy`] guards.
+    busy: usize,
+}
+
+struct Sim {
+    state: Mutex<SimState>,
+    changed: tokio::sync::Notify,
+}
+
+impl Sim {
+    fn lock(&self) -> MutexGuard<'_, SimState> {
+        // A poisoned lock only means a test thread panicked; the data is still usable.
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// A clock that only moves when told: [`set`](Self::set) and [`advance`](Self::advance) by
+/// hand, or [`run_until`](Self::run_until) as a discrete-event simulation. Shared by clones.
+#[derive(Clone)]
+pub struct ManualClock(Arc<Sim>);
+
+impl fmt::Debug for ManualClock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ManualClock({})", self.now())
+    }
+}
+
+impl ManualClock {
+    pub fn at(t: Timestamp) -> Self {
+        Self(Arc::new(Sim {
+            state: Mutex::new(SimState { now: t.as_millis(), ..SimState::default() }),
+            changed: tokio::sync::Notify::new(),
+        }))
+    }
+
+    pub fn advance(&self, d: Duration) {
+        let now = self.now();
+        self.set(now.plus(d));
+    }
+
+    /// Sets the time and wakes every sleep that is due by it.
+    pub fn set(&self, t: Timestamp) {
+        let mut st = self.0.lock();
+        st.now = t.as_millis();
+        let first_later = (st.now.saturating_add(1), 0);
+        let later = st.waiters.split_off(&first_later);
+        let due = std::mem::replace(&mut st.waiters, later);
+        drop(st);
+        for (_, w) in due {
+            w.fired.store(true, Ordering::SeqCst);
+            w.waker.wake();
+        }
+        self.0.changed.notify_waiters();
+    }
+
+    /// The earliest time something sleeps until, if anything sleeps.
+    pub fn next_wake(&self) -> Option<Timestamp> {
+        self.0.lock().waiters.keys().next().map(|(t, _)| Timestamp(*t))
+    }
+
+    /// Whether every [`Busy`] holder is asleep on this clock (nothing is working).
+    pub fn is_quiet(&self) -> bool {
+        let st = self.0.lock();
+        st.busy <= st.waiters.len()
+    }
+
+    /// Waits (in real time) until nothing is working.
+    pub async fn quiesce(&self) {
+        loop {
+            let changed = self.0.changed.notified();
+            if self.is_quiet() {
+                return;
+            }
+            // The timeout only guards against a wake-up lost to a race; correctness does not
+            // depend on it.
+            let _ = tokio::time::timeout(Duration::from_millis(20), changed).await;
+        }
+    }
+
+    /// The simulation: whenever nothing is working, moves time to the next moment something
+    /// sleeps until, until `end`. Returns at `end` (time set to it), once nothing is working.
+    pub async fn run_until(&self, end: Timestamp) {
+        loop {
+            self.quiesce().await;
+            match self.next_wake() {
+                Some(t) if t <= end => self.set(t),
+                _ => {
+                    self.set(end.max(self.now()));
+                    self.quiesce().await;
+                    return;
+                }
+            }
+        }
+    }
+}
+
+struct ManualSleep {
+    sim: Arc<Sim>,
+    at: u64,
+    key: Option<(u64, u64)>,
+    fired: Arc<AtomicBool>,
+}
+
+impl Future for ManualSleep {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        if self.fired.load(Ordering::SeqCst) {
+            self.key = None;
+            return Poll::Ready(());
+        }
+        let sim = self.sim.clone();
+        let mut st = sim.lock();
+        if st.now >= self.at {
+            if let Some(k) = self.key.take() {
+                st.waiters.remove(&k);
+            }
+            drop(st);
+            sim.changed.notify_waiters();
+            return Poll::Ready(());
+        }
+        let key = match self.key {
+            Some(k) => k,
+            None => {
+                st.seq += 1;
+                (self.at, st.seq)
+            }
+        };
+        st.waiters.insert(key, Waiter { waker: cx.waker().clone(), fired: self.fired.clone() });
+        let new = self.key.is_none();
+        drop(st);
+        self.key = Some(key);
+        if new {
+            sim.changed.notify_waiters();
+        }
+        Poll::Pending
+    }
+}
+
+impl Drop for ManualSleep {
+    fn drop(&mut self) {
+        if let Some(k) = self.key.take()
+            && !self.fired.load(Ordering::SeqCst)
+        {
+            self.sim.lock().waiters.remove(&k);
+            self.sim.changed.notify_waiters();
+        }
+    }
+}
+
+impl Clock for ManualClock {
+    fn now(&self) -> Timestamp {
+        Timestamp(self.0.lock().now)
+    }
+
+    fn sleep_until(&self, t: Timestamp) -> Sleep {
+        Box::pin(ManualSleep {
+            sim: self.0.clone(),
+            at: t.as_millis(),
+            key: None,
+            fired: Arc::new(AtomicBool::new(false)),
+        })
+    }
+
+    fn busy(&self) -> Busy {
+        self.0.lock().busy += 1;
+        Busy(Some(self.0.clone()))
+    }
+
+    fn is_simulated(&self) -> bool {
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn formats_rfc3339_in_utc_with_millis() {
+        assert_eq!(Timestamp::from_millis(1_796_210_146_123).to_rfc3339(), "2026-12-02T11:15:46.123Z");
+    }
+
+    #[test]
+    fn arithmetic_saturates_instead_of_panicking() {
+        let t = Timestamp::from_millis(1_000);
+        assert_eq!(t.since(Timestamp::from_millis(5_000)), Duration::ZERO);
+        assert_eq!(Timestamp::from_millis(u64::MAX).plus(Duration::from_secs(1)).as_millis(), u64::MAX);
+        assert_eq!(t.minus(Duration::from_secs(5)).as_millis(), 0);
+    }
+
+    #[test]
+    fn manual_clock_moves_only_when_told() {
+        let clock = ManualClock::at(Timestamp::from_millis(10));
+        clock.advance(Duration::from_millis(5));
+        assert_eq!(clock.now(), Timestamp::from_millis(15));
+    }
+
+    #[tokio::test]
+    async fn a_sleep_ends_when_the_clock_reaches_it_not_before() {
+        let clock = ManualClock::at(Timestamp::from_millis(0));
+        let (c, done) = (clock.clone(), Arc::new(AtomicBool::new(false)));
+        let d = done.clone();
+        let h = tokio::spawn(async move {
+            c.sleep_until(Timestamp::from_millis(1_000)).await;
+            d.store(true, Ordering::SeqCst);
+        });
+        tokio::task::yield_now().await;
+        while clock.next_wake().is_none() {
+            tokio::task::yield_now().await;
+        }
+        clock.set(Timestamp::from_millis(999));
+        tokio::task::yield_now().await;
+        assert!(!done.load(Ordering::SeqCst), "not yet");
+        clock.set(Timestamp::from_millis(1_000));
+        h.await.expect("sleeper");
+        assert!(done.load(Ordering::SeqCst));
+        assert_eq!(clock.next_wake(), None, "a finished sleep is deregistered");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_simulation_jumps_between_wakes_and_waits_for_work() {
+        // Two actors tick every 10 s and 15 s of simulated time for a simulated hour; each tick
+        // does a little real work. The run takes far less than a second of real time.
+        let clock = ManualClock::at(Timestamp::from_millis(0));
+        let ticks = Arc::new(Mutex::new(Vec::new()));
+        for every in [10_000u64, 15_000] {
+            let (c, ticks) = (clock.clone(), ticks.clone());
+            let busy = c.busy();
+            tokio::spawn(async move {
+                let _busy = busy;
+                let mut next = every;
+                while next <= 3_600_000 {
+                    c.sleep_until(Timestamp::from_millis(next)).await;
+                    tokio::time::sleep(Duration::from_micros(50)).await; // real work, no sim time
+                    ticks.lock().expect("lock").push((every, c.now().as_millis()));
+                    next += every;
+                }
+            });
+        }
+        let started = std::time::Instant::now();
+        clock.run_until(Timestamp::from_millis(3_600_000)).await;
+        let got = ticks.lock().expect("lock").clone();
+        assert_eq!(got.len(), 360 + 240, "every tick ran");
+        assert!(got.iter().all(|(every, at)| at % every == 0), "each ran exactly at its time");
+        assert!(started.elapsed() < Duration::from_secs(20), "an hour simulated in {:?}", started.elapsed());
+        assert_eq!(clock.now(), Timestamp::from_millis(3_600_000));
+    }
+}
