@@ -80,7 +80,10 @@ async fn codes_are_classified_terminal_unknown_and_transient() -> anyhow::Result
         let w =
             World::start(FakeConfig { drop_callbacks: 1.0, result_code: Some(code.into()), ..FakeConfig::default() })
                 .await?;
-        w.schedule_poller(EPOCH);
+        // The schedule's phase is arbitrary; here its first tick comes after the three submits
+        // (at 0, 0.33 and 0.67 s). A tick at the very moment of the first submit may find nothing
+        // open and end (as a deployed one would): the next tick, at 61 s, is past this test.
+        w.schedule_poller(EPOCH.plus(Duration::from_secs(1)));
         w.start_owner(steady(EPOCH, Duration::from_secs(1), 3, &[CaptchaKind::Image]), None);
         // First read at 25 s, then 5 s and 10 s later: three reads by 45 s.
         w.run_for(Duration::from_secs(50)).await;
