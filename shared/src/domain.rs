@@ -809,7 +809,10 @@ mod tests {
         assert_eq!(a2.clone().apply(solved("c", Via::Poll, 300)), Ok(Applied::Conflict));
         let code = ErrorCode::parse("ERROR_CAPTCHA_UNSOLVABLE").expect("code");
         let verdict = Delivery { outcome: Outcome::Failed(code), ..solved("x", Via::Redrive, 200) };
-        assert!(matches!(a2.clone().apply(verdict.clone()), Ok(Applied::Replaced(Task { state: TaskState::Failed { .. }, .. }))));
+        assert!(matches!(
+            a2.clone().apply(verdict.clone()),
+            Ok(Applied::Replaced(Task { state: TaskState::Failed { .. }, .. }))
+        ));
         // Once shown, nothing replaces it.
         assert!(a2.needs_pin(t(301)));
         let shown = Task { handed_out_at: Some(t(301)), ..a2 };

@@ -706,11 +706,7 @@ impl TaskStore {
     /// pinned as shown. `Ok(Some(task))`: the item changed since it was read (a replacement, an
     /// earlier receipt, or another read pinned it first); show that instead, pinning it if it
     /// still [`Task::needs_pin`].
-    pub async fn mark_handed_out(
-        &self,
-        shown: &Task,
-        now: Timestamp,
-    ) -> Result<Option<Task>, StoreError> {
+    pub async fn mark_handed_out(&self, shown: &Task, now: Timestamp) -> Result<Option<Task>, StoreError> {
         let resolved_at = match &shown.state {
             TaskState::Solved { resolved_at, .. } | TaskState::Failed { resolved_at, .. } => *resolved_at,
             other => return Err(StoreError::Rejected(format!("a {} task has no result to pin", other.name()))),
@@ -721,9 +717,7 @@ impl TaskStore {
             .table_name(&self.table)
             .key(attr::PK, s(shown.task_ref.as_ref()))
             .update_expression("SET handed_out_at = :now")
-            .condition_expression(
-                "#state = :state AND resolved_at = :at AND attribute_not_exists(handed_out_at)",
-            )
+            .condition_expression("#state = :state AND resolved_at = :at AND attribute_not_exists(handed_out_at)")
             .expression_attribute_names("#state", attr::STATE)
             .expression_attribute_values(":state", s(shown.state.name()))
             .expression_attribute_values(":at", n(resolved_at.as_millis()))
@@ -1267,7 +1261,10 @@ mod tests {
         let r = &task.task_ref;
         // The real pingback A (received at 5 s) failed to store and went to the dead-letter
         // queue; a conflicting B, received at 6 s, was stored first.
-        assert!(matches!(store.record_result(r, &delivery("42", solved("B"), 6_000)).await?, RecordOutcome::Recorded(_)));
+        assert!(matches!(
+            store.record_result(r, &delivery("42", solved("B"), 6_000)).await?,
+            RecordOutcome::Recorded(_)
+        ));
         // A's redrive: received earlier, so it replaces B — no token of B is left.
         let redriven = Delivery { via: Via::Redrive, ..delivery("42", solved("A"), 5_000) };
         let RecordOutcome::Replaced(now) = store.record_result(r, &redriven).await? else { panic!("replaced") };
@@ -1275,7 +1272,10 @@ mod tests {
         assert!(matches!(&now.state, TaskState::Solved { solution, resolved_at, via: Via::Redrive, .. }
             if solution.expose() == "A" && *resolved_at == t(5_000)));
         // B again (a retry of its own letter) is a conflict now; A again a duplicate.
-        assert!(matches!(store.record_result(r, &delivery("42", solved("B"), 6_000)).await?, RecordOutcome::Conflict(_)));
+        assert!(matches!(
+            store.record_result(r, &delivery("42", solved("B"), 6_000)).await?,
+            RecordOutcome::Conflict(_)
+        ));
         assert!(matches!(store.record_result(r, &redriven).await?, RecordOutcome::Duplicate(_)));
         // A verdict received earlier still wins, and leaves no token on the item.
         let verdict = delivery("42", Outcome::Failed(ErrorCode::parse("ERROR_CAPTCHA_UNSOLVABLE")?), 4_000);
@@ -1290,7 +1290,10 @@ mod tests {
         assert_eq!(pinned.handed_out_at, Some(t(7_000)));
         assert!(!pinned.needs_pin(t(7_001)));
         let before = raw(&store, r).await;
-        assert!(matches!(store.record_result(r, &delivery("42", solved("C"), 3_000)).await?, RecordOutcome::Conflict(_)));
+        assert!(matches!(
+            store.record_result(r, &delivery("42", solved("C"), 3_000)).await?,
+            RecordOutcome::Conflict(_)
+        ));
         assert!(matches!(store.record_result(r, &verdict).await?, RecordOutcome::Duplicate(_)));
         assert_eq!(raw(&store, r).await, before, "nothing written after the hand-out");
         // A second pin from the same (now outdated) read is refused and shows what is stored.

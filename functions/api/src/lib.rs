@@ -784,8 +784,7 @@ mod tests {
     }
 
     #[tokio::test(flavor = "multi_thread")]
-    async fn a_result_once_shown_is_pinned_and_an_earlier_received_one_replaces_it_only_before() -> anyhow::Result<()>
-    {
+    async fn a_result_once_shown_is_pinned_and_an_earlier_received_one_replaces_it_only_before() -> anyhow::Result<()> {
         use relay_shared::domain::{CaptchaId, Delivery, Outcome, Solution, Via};
         use relay_shared::store::RecordOutcome;
         let w = world(FakeConfig::default()).await?;

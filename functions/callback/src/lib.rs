@@ -203,7 +203,12 @@ async fn handle_inner(req: Request, deps: &Deps) -> Result<Response<Body>, Respo
         Ok(RecordOutcome::Replaced(_)) => {
             // Received before the result that was stored first (which came later but was stored
             // while this one was failing): the first received wins until the owner saw one.
-            tracing::warn!(event = "result_replaced", via = "callback", outcome, "earlier-received result replaced a later one");
+            tracing::warn!(
+                event = "result_replaced",
+                via = "callback",
+                outcome,
+                "earlier-received result replaced a later one"
+            );
             metrics::counter!("results_replaced", "via" => "callback").increment(1);
             metrics::counter!("callbacks", "outcome" => "recorded").increment(1);
             Ok(json(200, &serde_json::json!({ "outcome": "recorded" })))
