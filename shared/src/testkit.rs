@@ -68,6 +68,30 @@ impl LocalDynamo {
     }
 }
 
+/// A valid `POST /tasks` body for each kind, as the simulations and the end-to-end run send it.
+pub fn body_for(kind: crate::domain::CaptchaKind) -> &'static str {
+    match kind {
+        crate::domain::CaptchaKind::RecaptchaV2 => {
+            r#"{"kind":"recaptcha_v2","sitekey":"6Le-sim","pageurl":"https://shop.example/login"}"#
+        }
+        crate::domain::CaptchaKind::RecaptchaV3 => {
+            r#"{"kind":"recaptcha_v3","sitekey":"6Le-sim","pageurl":"https://shop.example/login","action":"login"}"#
+        }
+        crate::domain::CaptchaKind::RecaptchaEnterprise => {
+            r#"{"kind":"recaptcha_enterprise","sitekey":"6Le-sim","pageurl":"https://shop.example/login"}"#
+        }
+        crate::domain::CaptchaKind::Hcaptcha => {
+            r#"{"kind":"hcaptcha","sitekey":"10000000-ffff","pageurl":"https://shop.example/login"}"#
+        }
+        crate::domain::CaptchaKind::Turnstile => {
+            r#"{"kind":"turnstile","sitekey":"0x4AAA","pageurl":"https://shop.example/login"}"#
+        }
+        crate::domain::CaptchaKind::Image => {
+            r#"{"kind":"image","body":"iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAAAABJRU5ErkJggg=="}"#
+        }
+    }
+}
+
 /// An SDK client for a local endpoint with dummy credentials.
 pub fn client_for(endpoint: &str) -> Client {
     Client::from_conf(config_for(endpoint).build())

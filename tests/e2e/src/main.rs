@@ -37,7 +37,7 @@ use aws_sdk_dynamodb::types::{
 use fake_captchaai::{FakeCaptchaAi, FakeConfig};
 use relay_shared::deadletter::SqsQueue;
 use relay_shared::domain::CaptchaKind;
-use relay_shared::testkit::{FlakyDynamo, client_for, sqs_client_for, sqs_event};
+use relay_shared::testkit::{FlakyDynamo, body_for, client_for, sqs_client_for, sqs_event};
 use relay_shared::time::{Clock, SystemClock, Timestamp};
 use serde_json::{Value, json};
 
@@ -211,25 +211,6 @@ impl Config {
         }
         ensure!(c.tasks > 0, "--tasks must be at least 1");
         Ok(c)
-    }
-}
-
-fn body_for(kind: CaptchaKind) -> &'static str {
-    match kind {
-        CaptchaKind::RecaptchaV2 => {
-            r#"{"kind":"recaptcha_v2","sitekey":"6Le-e2e","pageurl":"https://shop.example/login"}"#
-        }
-        CaptchaKind::RecaptchaV3 => {
-            r#"{"kind":"recaptcha_v3","sitekey":"6Le-e2e","pageurl":"https://shop.example/login","action":"login"}"#
-        }
-        CaptchaKind::RecaptchaEnterprise => {
-            r#"{"kind":"recaptcha_enterprise","sitekey":"6Le-e2e","pageurl":"https://shop.example/login"}"#
-        }
-        CaptchaKind::Hcaptcha => {
-            r#"{"kind":"hcaptcha","sitekey":"10000000-ffff","pageurl":"https://shop.example/login"}"#
-        }
-        CaptchaKind::Turnstile => r#"{"kind":"turnstile","sitekey":"0x4AAA","pageurl":"https://shop.example/login"}"#,
-        CaptchaKind::Image => r#"{"kind":"image","body":"iVBORw0KGgo="}"#,
     }
 }
 

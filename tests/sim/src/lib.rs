@@ -109,27 +109,8 @@ pub struct Planned {
     pub kind: CaptchaKind,
 }
 
-/// The `POST /tasks` body for a kind.
-pub fn body_for(kind: CaptchaKind) -> &'static str {
-    match kind {
-        CaptchaKind::RecaptchaV2 => {
-            r#"{"kind":"recaptcha_v2","sitekey":"6Le-sim","pageurl":"https://shop.example/login"}"#
-        }
-        CaptchaKind::RecaptchaV3 => {
-            r#"{"kind":"recaptcha_v3","sitekey":"6Le-sim","pageurl":"https://shop.example/login","action":"login"}"#
-        }
-        CaptchaKind::RecaptchaEnterprise => {
-            r#"{"kind":"recaptcha_enterprise","sitekey":"6Le-sim","pageurl":"https://shop.example/login"}"#
-        }
-        CaptchaKind::Hcaptcha => {
-            r#"{"kind":"hcaptcha","sitekey":"10000000-ffff","pageurl":"https://shop.example/login"}"#
-        }
-        CaptchaKind::Turnstile => r#"{"kind":"turnstile","sitekey":"0x4AAA","pageurl":"https://shop.example/login"}"#,
-        CaptchaKind::Image => {
-            r#"{"kind":"image","body":"iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAAAABJRU5ErkJggg=="}"#
-        }
-    }
-}
+/// The `POST /tasks` body for a kind (one definition for every harness).
+pub use relay_shared::testkit::body_for;
 
 /// `n` submits spread evenly over `over`, starting at `from`, kinds in turn from `mix`.
 pub fn steady(from: Timestamp, over: Duration, n: usize, mix: &[CaptchaKind]) -> Vec<Planned> {
