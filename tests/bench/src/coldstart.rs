@@ -1,0 +1,7 @@
+//! Part `coldstart` of the bench.
+
+use crate::Opts;
+
+pub async fn run(_opts: &Opts) -> anyhow::Result<String> {
+    anyhow::bail!("part `coldstart` is not written yet")
+}

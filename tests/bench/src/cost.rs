@@ -1,0 +1,7 @@
+//! Part `cost` of the bench.
+
+use crate::Opts;
+
+pub async fn run(_opts: &Opts) -> anyhow::Result<String> {
+    anyhow::bail!("part `cost` is not written yet")
+}
