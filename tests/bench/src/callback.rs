@@ -1,7 +1,271 @@
-//! Part `callback` of the bench.
+//! Part 1: the callback path against the one write it needs.
+//!
+//! The callback handler, called as the Lambda calls it (JSON log subscriber and EMF metrics
+//! recorder installed, the request already decoded from the API Gateway event), against ONE bare
+//! conditional UpdateItem of the same size to the same engine from the same SDK client. Both for
+//! a first delivery (a write) and a duplicate (a refused write). Rounds alternate the order
+//! (ABAB, BABA) so drift on a shared machine hits both sides; the figure is the median over
+//! rounds of the per-round ratio of p50s, with its spread. Run on the embedded engine and, when
+//! a moto server is given, on moto's DynamoDB.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use aws_sdk_dynamodb::Client;
+use aws_sdk_dynamodb::types::AttributeValue;
+use relay_shared::deadletter::DeadLetterSink;
+use relay_shared::domain::{CaptchaId, CaptchaKind, Task, TaskRef};
+use relay_shared::signing::CallbackSigner;
+use relay_shared::store::{TaskStore, schema};
+use relay_shared::testkit::{ApiGatewayEvent, LocalDynamo, MemorySink, client_for};
+use relay_shared::time::{Clock, SystemClock};
+use secrecy::SecretString;
 
 use crate::Opts;
+use crate::stats::{Spread, percentile};
 
-pub async fn run(_opts: &Opts) -> anyhow::Result<String> {
-    anyhow::bail!("part `callback` is not written yet")
+/// A reCAPTCHA token's typical length (they run 500–2,000 characters).
+const TOKEN_LEN: usize = 600;
+const TARGET_RATIO: f64 = 1.2;
+
+struct Sizes {
+    rounds: usize,
+    calls: usize,
+    concurrent_calls: usize,
+}
+
+/// One engine's figures.
+struct EngineFigures {
+    engine: &'static str,
+    /// Per round: (handler p50, bare p50, handler p99, bare p99) in µs, for writes and duplicates.
+    write: Vec<[f64; 4]>,
+    dup: Vec<[f64; 4]>,
+    /// Calls per second with 16 callers: (handler, bare), writes.
+    throughput: (f64, f64),
+}
+
+pub async fn run(opts: &Opts) -> anyhow::Result<String> {
+    let sizes = if opts.quick {
+        Sizes { rounds: 2, calls: 40, concurrent_calls: 160 }
+    } else {
+        Sizes { rounds: 5, calls: 400, concurrent_calls: 4_000 }
+    };
+    install_lambda_telemetry();
+    let embedded = LocalDynamo::start().await?;
+    let mut engines = vec![measure("embedded engine (dynoxide)", &embedded.endpoint, &sizes).await?];
+    match &opts.moto {
+        Some(moto) => engines.push(measure("moto", moto, &sizes).await?),
+        None => eprintln!("no moto server given (--moto): part 1 runs on the embedded engine only"),
+    }
+    Ok(render(&engines, &sizes))
+}
+
+/// What the Lambda's `main` installs before the first request: the JSON log subscriber (on a
+/// writer that discards, as the bench must not print a line per call) and the EMF recorder.
+fn install_lambda_telemetry() {
+    relay_shared::telemetry::init_with_writer(std::io::sink);
+    // Another part may have installed it already: one recorder per process either way.
+    let _ = relay_shared::telemetry::metrics_init("callback");
+}
+
+struct Rig {
+    client: Client,
+    table: String,
+    deps: relay_callback::Deps,
+    signer: CallbackSigner,
+    token: String,
+}
+
+impl Rig {
+    async fn new(endpoint: &str) -> anyhow::Result<Self> {
+        let client = client_for(endpoint);
+        let table = format!("bench-{}", uuid::Uuid::new_v4().simple());
+        schema::create_table(&client, &table).await?;
+        let store = TaskStore::new(client.clone(), table.clone(), Duration::from_secs(7 * 86_400));
+        let signer = CallbackSigner::new(SecretString::from("bench-signing-secret-0123456789".to_owned()));
+        let dead_letters: Arc<dyn DeadLetterSink> = Arc::new(MemorySink::default());
+        let deps = relay_callback::Deps {
+            store,
+            signer: signer.clone(),
+            clock: Arc::new(SystemClock),
+            dead_letters,
+        };
+        let token: String = std::iter::repeat("03AFcWeA6x").flat_map(str::chars).take(TOKEN_LEN).collect();
+        Ok(Self { client, table, deps, signer, token })
+    }
+
+    /// `n` tasks accepted by in.php (state pending), as the API leaves them. Returns (ref, id).
+    async fn pending_tasks(&self, n: usize) -> anyhow::Result<Vec<(TaskRef, CaptchaId)>> {
+        let now = SystemClock.now();
+        let mut out = Vec::with_capacity(n);
+        for i in 0..n {
+            let task_ref = TaskRef::generate();
+            let id = CaptchaId::parse(&format!("{}", 70_000_000_000u64 + i as u64))?;
+            let task = Task::new(task_ref.clone(), CaptchaKind::RecaptchaV2, now);
+            self.deps.store.create(&task, now.plus(Duration::from_secs(600)), None).await?;
+            self.deps.store.mark_submitted(&task_ref, &id, now, now.plus(Duration::from_secs(120))).await?;
+            out.push((task_ref, id));
+        }
+        Ok(out)
+    }
+
+    /// The pingback request for a task, decoded from its API Gateway event as the runtime does.
+    fn request(&self, task_ref: &TaskRef, id: &CaptchaId) -> lambda_http::Request {
+        let path = format!("/callback/{}/{}", task_ref.as_ref(), self.signer.sign(task_ref));
+        ApiGatewayEvent::new("GET", &path).query(&format!("id={}&code={}", id.as_ref(), self.token)).build()
+    }
+
+    /// The whole callback: signature, parsing, the store's one conditional write, logs, metrics.
+    async fn handler(&self, task_ref: &TaskRef, id: &CaptchaId, expect: &str) -> anyhow::Result<()> {
+        let resp = relay_callback::respond(self.request(task_ref, id), &self.deps).await;
+        let body = match resp.body() {
+            lambda_http::Body::Text(t) => t.clone(),
+            lambda_http::Body::Binary(b) => String::from_utf8_lossy(b).into_owned(),
+            _ => String::new(),
+        };
+        anyhow::ensure!(
+            resp.status() == 200 && body.contains(expect),
+            "callback answered {} {body}, expected 200 {expect}",
+            resp.status()
+        );
+        Ok(())
+    }
+
+    /// The floor: one conditional UpdateItem writing the same attributes of the same size.
+    /// `Ok(true)` written, `Ok(false)` refused by its condition.
+    async fn bare(&self, task_ref: &TaskRef, id: &CaptchaId) -> anyhow::Result<bool> {
+        let s = |v: &str| AttributeValue::S(v.to_owned());
+        let n = |v: u64| AttributeValue::N(v.to_string());
+        let now = SystemClock.now().as_millis();
+        let res = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key("pk", s(task_ref.as_ref()))
+            .update_expression("SET #state = :solved, solution = :solution, resolved_at = :at")
+            .condition_expression("#state = :pending AND captcha_id = :id")
+            .expression_attribute_names("#state", "state")
+            .expression_attribute_values(":solved", s("solved"))
+            .expression_attribute_values(":pending", s("pending"))
+            .expression_attribute_values(":solution", s(&self.token))
+            .expression_attribute_values(":id", s(id.as_ref()))
+            .expression_attribute_values(":at", n(now))
+            .send()
+            .await;
+        match res {
+            Ok(_) => Ok(true),
+            Err(e) if e.as_service_error().is_some_and(|se| se.is_conditional_check_failed_exception()) => Ok(false),
+            Err(e) => Err(anyhow::anyhow!("bare UpdateItem: {}", aws_sdk_dynamodb::error::DisplayErrorContext(e))),
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Side {
+    Handler,
+    Bare,
+}
+
+/// Latencies in µs of one call per task, in order.
+async fn timed(rig: &Rig, side: Side, tasks: &[(TaskRef, CaptchaId)], first: bool) -> anyhow::Result<Vec<f64>> {
+    let mut lat = Vec::with_capacity(tasks.len());
+    for (r, id) in tasks {
+        let t = Instant::now();
+        match side {
+            Side::Handler => rig.handler(r, id, if first { "recorded" } else { "duplicate" }).await?,
+            Side::Bare => anyhow::ensure!(rig.bare(r, id).await? == first, "bare write: unexpected condition result"),
+        }
+        lat.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    Ok(lat)
+}
+
+fn p50_p99(h: &[f64], b: &[f64]) -> [f64; 4] {
+    [percentile(h, 50.0), percentile(b, 50.0), percentile(h, 99.0), percentile(b, 99.0)]
+}
+
+async fn measure(engine: &'static str, endpoint: &str, sizes: &Sizes) -> anyhow::Result<EngineFigures> {
+    let rig = Rig::new(endpoint).await?;
+    // Warm the client's connection pool and the engine's caches on both paths.
+    let warm = rig.pending_tasks(20).await?;
+    timed(&rig, Side::Handler, &warm[..10], true).await?;
+    timed(&rig, Side::Bare, &warm[10..], true).await?;
+
+    let (mut write, mut dup) = (Vec::new(), Vec::new());
+    for round in 0..sizes.rounds {
+        let h_tasks = rig.pending_tasks(sizes.calls).await?;
+        let b_tasks = rig.pending_tasks(sizes.calls).await?;
+        // A then B, or B then A: alternate so a slow spell hits both.
+        let order = if round % 2 == 0 { [Side::Handler, Side::Bare] } else { [Side::Bare, Side::Handler] };
+        let (mut hw, mut bw, mut hd, mut bd) = (vec![], vec![], vec![], vec![]);
+        for first in [true, false] {
+            for side in order {
+                let tasks = if matches!(side, Side::Handler) { &h_tasks } else { &b_tasks };
+                let lat = timed(&rig, side, tasks, first).await?;
+                match (side, first) {
+                    (Side::Handler, true) => hw = lat,
+                    (Side::Bare, true) => bw = lat,
+                    (Side::Handler, false) => hd = lat,
+                    (Side::Bare, false) => bd = lat,
+                }
+            }
+        }
+        write.push(p50_p99(&hw, &bw));
+        dup.push(p50_p99(&hd, &bd));
+    }
+
+    // Throughput: 16 callers at once, first deliveries.
+    let rig = Arc::new(rig);
+    let mut throughput = [0.0; 2];
+    for (i, side) in [Side::Handler, Side::Bare].into_iter().enumerate() {
+        let tasks = rig.pending_tasks(sizes.concurrent_calls).await?;
+        let chunks: Vec<Vec<_>> = tasks.chunks(sizes.concurrent_calls.div_ceil(16)).map(<[_]>::to_vec).collect();
+        let t = Instant::now();
+        let mut set = tokio::task::JoinSet::new();
+        for chunk in chunks {
+            let rig = rig.clone();
+            set.spawn(async move { timed(&rig, side, &chunk, true).await.map(|_| ()) });
+        }
+        while let Some(r) = set.join_next().await {
+            r??;
+        }
+        throughput[i] = sizes.concurrent_calls as f64 / t.elapsed().as_secs_f64();
+    }
+    Ok(EngineFigures { engine, write, dup, throughput: (throughput[0], throughput[1]) })
+}
+
+fn render(engines: &[EngineFigures], sizes: &Sizes) -> String {
+    let mut s = format!(
+        "## 1. Callback path: the handler against the one write it needs\n\n\
+         The callback handler as the Lambda runs it (JSON log subscriber and EMF recorder installed; \
+         request decoded beforehand) against one bare conditional UpdateItem writing the same \
+         attributes ({TOKEN_LEN}-character token) to the same engine from the same SDK client, over \
+         loopback HTTP. {} rounds of {} calls per side and case, order alternated per round; \
+         figures are medians over rounds (min–max). Target: handler p50 ≤ {TARGET_RATIO}× the bare write.\n\n\
+         | engine | case | handler p50 | bare p50 | ratio p50 | handler p99 | bare p99 | target |\n\
+         | --- | --- | --- | --- | --- | --- | --- | --- |\n",
+        sizes.rounds, sizes.calls
+    );
+    for e in engines {
+        for (case, rounds) in [("first delivery (write)", &e.write), ("duplicate (refused write)", &e.dup)] {
+            let col = |i: usize| Spread::of(&rounds.iter().map(|r| r[i]).collect::<Vec<_>>());
+            let ratio = Spread::of(&rounds.iter().map(|r| r[0] / r[1]).collect::<Vec<_>>());
+            s.push_str(&format!(
+                "| {} | {case} | {} | {} | **{}** | {} | {} | {} |\n",
+                e.engine,
+                col(0).show(0, " µs"),
+                col(1).show(0, " µs"),
+                ratio.show(2, "×"),
+                col(2).show(0, " µs"),
+                col(3).show(0, " µs"),
+                if ratio.median <= TARGET_RATIO { "met" } else { "missed" },
+            ));
+        }
+    }
+    s.push_str("\nThroughput, 16 concurrent callers, first deliveries:\n\n| engine | handler | bare UpdateItem | ratio |\n| --- | --- | --- | --- |\n");
+    for e in engines {
+        let (h, b) = e.throughput;
+        s.push_str(&format!("| {} | {h:.0} /s | {b:.0} /s | {:.2}× |\n", e.engine, b / h));
+    }
+    s
 }
