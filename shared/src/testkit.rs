@@ -115,6 +115,11 @@ impl OperationCounter {
     pub fn count(&self, operation: &str) -> u64 {
         self.0.lock().map(|m| m.get(operation).copied().unwrap_or(0)).unwrap_or(0)
     }
+
+    /// Every operation's count so far.
+    pub fn snapshot(&self) -> std::collections::HashMap<String, u64> {
+        self.0.lock().map(|m| m.clone()).unwrap_or_default()
+    }
 }
 
 impl aws_sdk_dynamodb::config::Intercept for OperationCounter {

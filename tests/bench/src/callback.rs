@@ -50,7 +50,6 @@ pub async fn run(opts: &Opts) -> anyhow::Result<String> {
     } else {
         Sizes { rounds: 5, calls: 400, concurrent_calls: 4_000 }
     };
-    install_lambda_telemetry();
     let embedded = LocalDynamo::start().await?;
     let mut engines = vec![measure("embedded engine (dynoxide)", &embedded.endpoint, &sizes).await?];
     match &opts.moto {
@@ -58,14 +57,6 @@ pub async fn run(opts: &Opts) -> anyhow::Result<String> {
         None => eprintln!("no moto server given (--moto): part 1 runs on the embedded engine only"),
     }
     Ok(render(&engines, &sizes))
-}
-
-/// What the Lambda's `main` installs before the first request: the JSON log subscriber (on a
-/// writer that discards, as the bench must not print a line per call) and the EMF recorder.
-fn install_lambda_telemetry() {
-    relay_shared::telemetry::init_with_writer(std::io::sink);
-    // Another part may have installed it already: one recorder per process either way.
-    let _ = relay_shared::telemetry::metrics_init("callback");
 }
 
 struct Rig {

@@ -1,7 +1,449 @@
-//! Part `cost` of the bench.
+//! Part 5: what a task costs on AWS, from counted operations, at published us-east-1 prices.
+//!
+//! The whole path runs in-process with the deployed handlers and settings (IAM auth, the
+//! template's memory size): submit (`POST /tasks`, in.php on the fake), the pingback, the owner's
+//! read (`GET /tasks/{ref}`, which pins the result), a duplicate pingback. A counting interceptor
+//! on the SDK client counts every DynamoDB call per step; the bytes the functions log (JSON lines)
+//! and the EMF document each invocation flushes are counted too. The fallback path's figures come
+//! from part 4's stale-task run; the idle month from the template's resources and one idle poller
+//! invocation.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use relay_shared::domain::{CaptchaKind, TaskRef};
+use relay_shared::http::Authorizer;
+use relay_shared::store::TaskStore;
+use relay_shared::testkit::{ApiGatewayEvent, LocalDynamo, MemorySink, OperationCounter};
+use relay_shared::time::{Clock, SystemClock};
+use secrecy::SecretString;
 
 use crate::Opts;
 
-pub async fn run(_opts: &Opts) -> anyhow::Result<String> {
-    anyhow::bail!("part `cost` is not written yet")
+/// Published us-east-1 list prices (USD), December 2026, before free tiers.
+pub mod price {
+    /// HTTP API, per request (first 300 million a month).
+    pub const HTTP_API_REQUEST: f64 = 1.00 / 1e6;
+    /// Lambda, per request.
+    pub const LAMBDA_REQUEST: f64 = 0.20 / 1e6;
+    /// Lambda on arm64, per GB-second.
+    pub const LAMBDA_ARM_GB_S: f64 = 0.000_013_333_4;
+    /// DynamoDB on-demand, per write request unit (1 KB) and read request unit (4 KB, strong).
+    pub const DYNAMODB_WRU: f64 = 0.625 / 1e6;
+    pub const DYNAMODB_RRU: f64 = 0.125 / 1e6;
+    /// SQS standard, per request.
+    pub const SQS_REQUEST: f64 = 0.40 / 1e6;
+    /// EventBridge Scheduler, per invocation.
+    pub const SCHEDULER_INVOCATION: f64 = 1.00 / 1e6;
+    /// CloudWatch Logs ingestion, per byte (0.50 per GB).
+    pub const LOG_BYTE: f64 = 0.50 / 1_073_741_824.0;
+    /// CloudWatch: standard alarm per metric and month, dashboard per month, custom metric per month.
+    pub const ALARM_METRIC_MONTH: f64 = 0.10;
+    pub const DASHBOARD_MONTH: f64 = 3.00;
+    pub const CUSTOM_METRIC_MONTH: f64 = 0.30;
+    /// KMS customer-managed key per month.
+    pub const KMS_KEY_MONTH: f64 = 1.00;
+}
+
+/// Assumed AWS-side latencies billed while a function waits (not measurable on loopback).
+const DYNAMODB_CALL_MS: f64 = 5.0;
+const IN_PHP_MS: f64 = 300.0;
+/// Lambda's START/END/REPORT lines per invocation, bytes.
+const PLATFORM_LOG_BYTES: u64 = 330;
+
+/// One step of the path, measured over `n` calls.
+#[derive(Debug, Default, Clone)]
+struct Step {
+    name: &'static str,
+    n: u64,
+    ops: HashMap<String, u64>,
+    /// In-process time, summed (ms).
+    cpu_ms: f64,
+    log_bytes: u64,
+    emf_bytes: u64,
+    in_php: u64,
+}
+
+impl Step {
+    fn per(&self, op: &str) -> f64 {
+        self.ops.get(op).copied().unwrap_or(0) as f64 / self.n.max(1) as f64
+    }
+
+    fn calls(&self) -> f64 {
+        self.ops.values().sum::<u64>() as f64 / self.n.max(1) as f64
+    }
+
+    /// Billed ms per invocation: in-process time plus the assumed waits, rounded up.
+    fn billed_ms(&self) -> f64 {
+        let per = self.cpu_ms / self.n.max(1) as f64;
+        (per + self.calls() * DYNAMODB_CALL_MS + self.in_php as f64 / self.n.max(1) as f64 * IN_PHP_MS).ceil()
+    }
+}
+
+/// Write and read units of each step, per call. Writes are charged by the larger of the old and
+/// new item (1 KB units), refused conditional writes included; a write that adds, moves or
+/// removes an item's entry in the `due-for-poll` index (projection ALL) pays the index's write
+/// too (a moved key: delete and put).
+fn units(step: &str, item_kb: f64, small_kb: f64) -> (f64, f64) {
+    let wru = |kb: f64| kb.ceil().max(1.0);
+    match step {
+        // Submit slot counter (tiny), create (+ index put), mark submitted (+ index move).
+        "submit" => (1.0 + 2.0 * wru(small_kb) + 2.0 * wru(small_kb), 0.0),
+        // The result write: the item grows by the token; its index entry is removed.
+        "callback" => (wru(item_kb) + wru(small_kb), 0.0),
+        // A refused conditional write of the same size.
+        "duplicate" => (wru(item_kb), 0.0),
+        // A strongly consistent GetItem (4 KB units) and the one-time pin.
+        "owner read" => (wru(item_kb), (item_kb / 4.0).ceil().max(1.0)),
+        _ => (0.0, 0.0),
+    }
+}
+
+fn item_kb(item: &HashMap<String, aws_sdk_dynamodb::types::AttributeValue>) -> f64 {
+    use aws_sdk_dynamodb::types::AttributeValue as A;
+    let bytes: usize = item
+        .iter()
+        .map(|(k, v)| {
+            k.len()
+                + match v {
+                    A::S(s) => s.len(),
+                    A::N(n) => n.len().div_ceil(2) + 1,
+                    A::Bool(_) | A::Null(_) => 1,
+                    _ => 16,
+                }
+        })
+        .sum();
+    bytes as f64 / 1024.0
+}
+
+pub async fn run(opts: &Opts) -> anyhow::Result<String> {
+    let n: usize = if opts.quick { 12 } else { 300 };
+    let db = LocalDynamo::start().await?;
+    let (client, counter) = db.counting_client();
+    let table = format!("cost-{}", uuid::Uuid::new_v4().simple());
+    relay_shared::store::schema::create_table(&client, &table).await?;
+    let store = TaskStore::new(client.clone(), table.clone(), Duration::from_secs(7 * 86_400));
+    let fake = fake_captchaai::FakeCaptchaAi::start(fake_captchaai::FakeConfig {
+        solve_delay_ms: 0,
+        drop_callbacks: 1.0,
+        ..fake_captchaai::FakeConfig::default()
+    })
+    .await?;
+    let captchaai = relay_shared::captchaai::CaptchaAiClient::new(
+        &fake.base_url(),
+        SecretString::from(fake.api_key()),
+        Duration::from_secs(15),
+        None,
+    )?;
+    let mut relay = relay_local::Relay::new(relay_local::LocalParts {
+        store: store.clone(),
+        captchaai,
+        api_key: SecretString::from("unused-on-aws-0123456789".to_owned()),
+        signing_secret: SecretString::from("bench-signing-secret-0123456789".to_owned()),
+        callback_base_url: "https://relay.example/".into(),
+        clock: Arc::new(SystemClock),
+        dead_letters: Arc::new(MemorySink::default()),
+    });
+    // As deployed: IAM authorisation at the HTTP API, the template's per-kind grace.
+    relay.api.auth = Authorizer::Iam;
+    let deployed = relay_sim::Deployed::from_template()?;
+    relay.api.callback_grace = deployed.grace.clone();
+    let emf = crate::telemetry::metrics();
+
+    // Submits, paced under the account-wide in.php rate (14/s) so none is told to wait.
+    let made: std::cell::RefCell<Vec<(TaskRef, String)>> = std::cell::RefCell::default();
+    let submit = measure("submit", &counter, &fake, n, |i| {
+        let (relay, made) = (&relay, &made);
+        async move {
+            tokio::time::sleep(Duration::from_millis(80)).await;
+            let t = Instant::now();
+            let req = ApiGatewayEvent::new("POST", "/tasks")
+                .iam_caller()
+                .header("content-type", "application/json")
+                .header("idempotency-key", &format!("cost-{i}"))
+                .body(relay_shared::testkit::body_for(CaptchaKind::RecaptchaV2))
+                .build();
+            let resp = relay_api::respond(req, &relay.api).await;
+            let took = t.elapsed();
+            let v = json_body(&resp);
+            anyhow::ensure!(resp.status() == 202, "submit answered {} {v}", resp.status());
+            let r = TaskRef::parse(v["task_ref"].as_str().unwrap_or_default())?;
+            let id = v["captcha_id"].as_str().unwrap_or_default().to_owned();
+            made.borrow_mut().push((r, id));
+            Ok(took)
+        }
+    })
+    .await?;
+    let tasks = made.into_inner();
+    let deliver = |name: &'static str, expect: &'static str| {
+        let (relay, tasks, fake, counter) = (&relay, &tasks, &fake, &counter);
+        measure(name, counter, fake, n, move |i| async move {
+            let (r, id) = &tasks[i];
+            anyhow::ensure!(fake.task(id).is_some(), "the fake has no task {id}");
+            // A reCAPTCHA token's typical size, unique per task.
+            let code: String = format!("03AGdBq2{id}").chars().cycle().take(600).collect();
+            let path = format!("/callback/{}/{}", r.as_ref(), relay.callback.signer.sign(r));
+            let req = ApiGatewayEvent::new("GET", &path).query(&format!("id={id}&code={code}")).build();
+            let t = Instant::now();
+            let resp = relay_callback::respond(req, &relay.callback).await;
+            let took = t.elapsed();
+            let v = json_body(&resp);
+            anyhow::ensure!(resp.status() == 200 && v["outcome"] == expect, "callback answered {} {v}", resp.status());
+            Ok(took)
+        })
+    };
+    let callback = deliver("callback", "recorded").await?;
+    let read = measure("owner read", &counter, &fake, n, |i| {
+        let (relay, tasks) = (&relay, &tasks);
+        async move {
+            let (r, _) = &tasks[i];
+            let req = ApiGatewayEvent::new("GET", &format!("/tasks/{}", r.as_ref())).iam_caller().build();
+            let t = Instant::now();
+            let resp = relay_api::respond(req, &relay.api).await;
+            let took = t.elapsed();
+            let v = json_body(&resp);
+            anyhow::ensure!(resp.status() == 200 && v["status"] == "solved", "read answered {} {v}", resp.status());
+            Ok(took)
+        }
+    })
+    .await?;
+    let duplicate = deliver("duplicate", "duplicate").await?;
+    let mut steps = vec![submit, callback, read, duplicate];
+    // The EMF documents: flushed after each step, shared out over its calls.
+    for s in &mut steps {
+        s.emf_bytes = s.emf_bytes.max(1);
+    }
+    let _ = emf;
+
+    let solved = store.get(&tasks[0].0).await?.ok_or_else(|| anyhow::anyhow!("task vanished"))?;
+    let raw = client
+        .get_item()
+        .table_name(&table)
+        .key("pk", aws_sdk_dynamodb::types::AttributeValue::S(solved.task_ref.as_ref().to_owned()))
+        .send()
+        .await?;
+    let kb = item_kb(raw.item().unwrap_or(&HashMap::new()));
+    let small_kb = 0.4;
+
+    let stale = crate::poller::stale(if opts.quick { 40 } else { 1_000 }, false).await?;
+    let idle = idle_tick(&deployed).await?;
+    Ok(render(&steps, kb, small_kb, &stale, &idle))
+}
+
+fn json_body(resp: &lambda_http::Response<lambda_http::Body>) -> serde_json::Value {
+    match resp.body() {
+        lambda_http::Body::Text(t) => serde_json::from_str(t).unwrap_or_default(),
+        lambda_http::Body::Binary(b) => serde_json::from_slice(b).unwrap_or_default(),
+        _ => serde_json::Value::Null,
+    }
+}
+
+/// Runs `call(i)` for i in 0..n and counts what the step cost.
+async fn measure<F, Fut>(
+    name: &'static str,
+    counter: &OperationCounter,
+    fake: &fake_captchaai::FakeCaptchaAi,
+    n: usize,
+    mut call: F,
+) -> anyhow::Result<Step>
+where
+    F: FnMut(usize) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<Duration>>,
+{
+    let before = counter.snapshot();
+    let logs = crate::telemetry::log_bytes();
+    let in_php = fake.counts().in_php;
+    let mut cpu = Duration::ZERO;
+    for i in 0..n {
+        cpu += call(i).await?;
+    }
+    let after = counter.snapshot();
+    let ops = after.iter().map(|(k, v)| (k.clone(), v - before.get(k).copied().unwrap_or(0))).filter(|(_, v)| *v > 0).collect();
+    let emf_bytes = crate::telemetry::flush_metrics();
+    Ok(Step {
+        name,
+        n: n as u64,
+        ops,
+        cpu_ms: cpu.as_secs_f64() * 1e3,
+        log_bytes: crate::telemetry::log_bytes() - logs,
+        emf_bytes,
+        in_php: fake.counts().in_php - in_php,
+    })
+}
+
+/// One poller invocation with nothing due, as every scheduled minute of an idle stack runs it.
+struct Idle {
+    ops: HashMap<String, u64>,
+    cpu_ms: f64,
+    emf_metrics: usize,
+}
+
+async fn idle_tick(deployed: &relay_sim::Deployed) -> anyhow::Result<Idle> {
+    let db = LocalDynamo::start().await?;
+    let (client, counter) = db.counting_client();
+    let table = format!("idle-{}", uuid::Uuid::new_v4().simple());
+    relay_shared::store::schema::create_table(&client, &table).await?;
+    let fake = fake_captchaai::FakeCaptchaAi::start(fake_captchaai::FakeConfig::captchaai_like()).await?;
+    let deps = relay_poller::Deps {
+        store: TaskStore::new(client, table, Duration::from_secs(7 * 86_400)),
+        captchaai: relay_shared::captchaai::CaptchaAiClient::new(
+            &fake.base_url(),
+            SecretString::from(fake.api_key()),
+            deployed.poller.read_timeout,
+            None,
+        )?,
+        settings: deployed.poller.clone(),
+        owner: "bench-idle".into(),
+        dead_letters: Arc::new(MemorySink::default()),
+    };
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let _ = crate::telemetry::flush_metrics();
+    let t = Instant::now();
+    let deadline = clock.now().plus(deployed.poller_timeout);
+    let report = relay_poller::run_invocation(&deps, clock, deadline).await;
+    let cpu_ms = t.elapsed().as_secs_f64() * 1e3;
+    anyhow::ensure!(report.res_php_requests == 0, "an idle tick read res.php");
+    let emf_metrics = crate::telemetry::metric_count();
+    Ok(Idle { ops: counter.snapshot(), cpu_ms, emf_metrics })
+}
+
+/// Counts in template.yaml: alarms (and the metrics each watches), dashboards, KMS keys.
+fn template_counts() -> anyhow::Result<(usize, usize, usize, u64)> {
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../template.yaml"))?;
+    let count = |ty: &str| text.matches(&format!("Type: {ty}\n")).count();
+    let alarms = count("AWS::CloudWatch::Alarm");
+    // A metric-math alarm is charged per metric it reads.
+    let math_metrics = text.matches("MetricStat:").count();
+    let plain = alarms.saturating_sub(text.matches("Metrics:\n").count());
+    let memory: u64 = text
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("MemorySize:").and_then(|v| v.trim().parse().ok()))
+        .unwrap_or(128);
+    Ok((plain + math_metrics, count("AWS::CloudWatch::Dashboard"), count("AWS::KMS::Key"), memory))
+}
+
+fn render(steps: &[Step], kb: f64, small_kb: f64, stale: &crate::poller::PollRun, idle: &Idle) -> String {
+    let (alarm_metrics, dashboards, keys, memory_mb) = template_counts().unwrap_or((0, 0, 0, 256));
+    let gb = memory_mb as f64 / 1024.0;
+    let mut s = format!(
+        "## 5. Cost per million tasks (us-east-1 list prices, before free tiers)\n\n\
+         Counted over an in-process run of the whole path with the deployed handlers and settings \
+         (IAM auth, {memory_mb} MB arm64 functions): DynamoDB calls by an interceptor on the SDK \
+         client, log bytes by the log writer, EMF bytes from the metrics recorder. Billed time per \
+         invocation = measured in-process time + {DYNAMODB_CALL_MS} ms per DynamoDB call + \
+         {IN_PHP_MS} ms per in.php call (assumed AWS-side waits), rounded up to 1 ms. A solved \
+         task's item is {kb:.2} KB (600-character token).\n\n\
+         | step (per call) | DynamoDB calls | WRU | RRU | billed ms | log + EMF bytes | $ per million |\n\
+         | --- | --- | --- | --- | --- | --- | --- |\n",
+    );
+    let mut per_step = HashMap::new();
+    for st in steps {
+        let (wru, rru) = units(st.name, kb, small_kb);
+        let logs = (st.log_bytes + st.emf_bytes) as f64 / st.n.max(1) as f64 + PLATFORM_LOG_BYTES as f64;
+        let cost = price::HTTP_API_REQUEST
+            + price::LAMBDA_REQUEST
+            + st.billed_ms() / 1000.0 * gb * price::LAMBDA_ARM_GB_S
+            + wru * price::DYNAMODB_WRU
+            + rru * price::DYNAMODB_RRU
+            + logs * price::LOG_BYTE;
+        per_step.insert(st.name, cost);
+        let calls: Vec<String> = {
+            let mut v: Vec<_> = st.ops.keys().cloned().collect();
+            v.sort();
+            v.iter().map(|op| format!("{} {op}", fmt_n(st.per(op)))).collect()
+        };
+        s.push_str(&format!(
+            "| {} | {} | {wru:.0} | {rru:.0} | {:.0} | {logs:.0} | ${:.2} |\n",
+            st.name,
+            calls.join(", "),
+            st.billed_ms(),
+            cost * 1e6
+        ));
+    }
+    let floor = price::HTTP_API_REQUEST
+        + price::LAMBDA_REQUEST
+        + price::DYNAMODB_WRU
+        + 1.0 / 1000.0 * gb * price::LAMBDA_ARM_GB_S;
+    let cb = per_step.get("callback").copied().unwrap_or(0.0);
+    let task = ["submit", "callback", "owner read"].iter().map(|k| per_step.get(k).copied().unwrap_or(0.0)).sum::<f64>();
+    // The fallback path, per task recovered by the poller: its invocation time and DynamoDB
+    // calls shared over the tasks (part 4's stale run), instead of the pingback.
+    let reads = stale.res_php as f64 / stale.tasks.max(1) as f64;
+    let ops = |op: &str| stale.ops.get(op).copied().unwrap_or(0) as f64 / stale.tasks.max(1) as f64;
+    let poll_ms = stale.poller_ms as f64 / stale.tasks.max(1) as f64;
+    let fallback = poll_ms / 1000.0 * gb * price::LAMBDA_ARM_GB_S
+        + (ops("UpdateItem") * kb.ceil().max(1.0) + 1.0) * price::DYNAMODB_WRU
+        + (ops("Query") + ops("GetItem")) * price::DYNAMODB_RRU;
+    s.push_str(&format!(
+        "\n| figure | $ per million | ratio to the floor | target |\n| --- | --- | --- | --- |\n\
+         | floor: 1 HTTP API request + 1 Lambda invocation (1 ms) + 1 DynamoDB write | ${:.2} | 1.00× | |\n\
+         | a pingback (the callback step) | ${:.2} | **{:.2}×** | ≤ 2.5× — {} |\n\
+         | a task, callback path (submit + pingback + owner's first read) | ${:.2} | {:.2}× | |\n\
+         | a task, fallback path (submit + poller recovery + owner's read; {reads:.2} res.php reads, \
+         {:.1} Query, {:.1} UpdateItem, {poll_ms:.0} ms of poller time per task) | ${:.2} | {:.2}× | |\n",
+        floor * 1e6,
+        cb * 1e6,
+        cb / floor,
+        if cb / floor <= 2.5 { "met" } else { "missed" },
+        task * 1e6,
+        task / floor,
+        ops("Query"),
+        ops("UpdateItem"),
+        (task - cb + fallback) * 1e6,
+        (task - cb + fallback) / floor,
+    ));
+    // An idle month: the schedule runs the poller every minute; the rest is fixed.
+    let minutes = 43_200.0;
+    let idle_calls = idle.ops.values().sum::<u64>() as f64;
+    let idle_ms = (idle.cpu_ms + idle_calls * DYNAMODB_CALL_MS).ceil();
+    let idle_rru = idle.ops.get("Query").copied().unwrap_or(0) as f64 * 0.5 + idle.ops.get("GetItem").copied().unwrap_or(0) as f64;
+    let lines = [
+        ("scheduler invocations (1 a minute)", minutes * price::SCHEDULER_INVOCATION),
+        ("poller invocations and their time", minutes * (price::LAMBDA_REQUEST + idle_ms / 1000.0 * gb * price::LAMBDA_ARM_GB_S)),
+        ("poller's DynamoDB reads", minutes * idle_rru * price::DYNAMODB_RRU),
+        ("poller's logs", minutes * 600.0 * price::LOG_BYTE),
+        ("redrive's SQS long polls (5 pollers, 20 s)", 5.0 * 3.0 * minutes * price::SQS_REQUEST),
+        ("alarms", alarm_metrics as f64 * price::ALARM_METRIC_MONTH),
+        ("dashboard", dashboards as f64 * price::DASHBOARD_MONTH),
+        ("KMS key (alarm topic)", keys as f64 * price::KMS_KEY_MONTH),
+        ("custom metrics the idle poller publishes", idle.emf_metrics as f64 * price::CUSTOM_METRIC_MONTH),
+    ];
+    let total: f64 = lines.iter().map(|(_, v)| v).sum();
+    s.push_str(&format!(
+        "\n**Idle stack, per month** (no traffic; one idle poller invocation measured: {} DynamoDB calls, \
+         {idle_ms:.0} ms billed): **${total:.2}**\n\n| item | $ per month |\n| --- | --- |\n",
+        idle_calls
+    ));
+    for (k, v) in lines {
+        s.push_str(&format!("| {k} | {v:.2} |\n"));
+    }
+    s.push_str(
+        "\nFree tiers (1 M Lambda requests and 400,000 GB-s, 14 M scheduler invocations, 1 M SQS \
+         requests, 10 alarms, 3 dashboards, 10 custom metrics a month) cover most of the idle month.\n",
+    );
+    s
+}
+
+fn fmt_n(v: f64) -> String {
+    if (v - v.round()).abs() < 0.005 { format!("{v:.0}") } else { format!("{v:.2}") }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_floor_is_one_request_one_invocation_one_write() {
+        let floor = price::HTTP_API_REQUEST + price::LAMBDA_REQUEST + price::DYNAMODB_WRU;
+        assert!((floor * 1e6 - 1.825).abs() < 1e-9);
+    }
+
+    #[test]
+    fn write_units_follow_item_size_and_index_writes() {
+        assert_eq!(units("callback", 0.9, 0.4), (2.0, 0.0), "the write and the index entry's removal");
+        assert_eq!(units("callback", 1.6, 0.4), (3.0, 0.0), "a 1.6 KB item is 2 units");
+        assert_eq!(units("duplicate", 0.9, 0.4), (1.0, 0.0), "a refused write is still charged");
+        assert_eq!(units("owner read", 0.9, 0.4), (1.0, 1.0));
+    }
 }

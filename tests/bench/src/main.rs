@@ -12,6 +12,7 @@ mod cost;
 mod poller;
 mod report;
 mod stats;
+mod telemetry;
 mod wrk;
 
 use std::path::PathBuf;
@@ -62,6 +63,7 @@ fn main() -> anyhow::Result<()> {
         anyhow::bail!("unknown part `{bad}`; the parts are {}", PARTS.join(", "));
     }
     std::env::set_current_dir(Opts::root())?;
+    telemetry::install();
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let mut report = report::Report::new(&opts)?;
     let mut failed = Vec::new();
