@@ -8,6 +8,7 @@
 //! rounds of the per-round ratio of p50s, with its spread. Run on the embedded engine and, when
 //! a moto server is given, on moto's DynamoDB.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -37,9 +38,13 @@ struct Sizes {
 /// One engine's figures.
 struct EngineFigures {
     engine: &'static str,
-    /// Per round: (handler p50, bare p50, handler p99, bare p99) in µs, for writes and duplicates.
-    write: Vec<[f64; 4]>,
-    dup: Vec<[f64; 4]>,
+    /// Per round: (handler p50, bare p50, handler p99, bare p99, store p50) in µs, for writes and
+    /// duplicates.
+    write: Vec<[f64; 5]>,
+    dup: Vec<[f64; 5]>,
+    /// CPU µs per call of the whole process (client, handler and engine): [write, duplicate] ×
+    /// [handler, store alone, bare].
+    cpu: [[Spread; 3]; 2],
     /// Calls per second with 16 callers: (handler, bare), writes.
     throughput: (f64, f64),
 }
@@ -75,12 +80,7 @@ impl Rig {
         let store = TaskStore::new(client.clone(), table.clone(), Duration::from_secs(7 * 86_400));
         let signer = CallbackSigner::new(SecretString::from("bench-signing-secret-0123456789".to_owned()));
         let dead_letters: Arc<dyn DeadLetterSink> = Arc::new(MemorySink::default());
-        let deps = relay_callback::Deps {
-            store,
-            signer: signer.clone(),
-            clock: Arc::new(SystemClock),
-            dead_letters,
-        };
+        let deps = relay_callback::Deps { store, signer: signer.clone(), clock: Arc::new(SystemClock), dead_letters };
         let token: String = std::iter::repeat("03AFcWeA6x").flat_map(str::chars).take(TOKEN_LEN).collect();
         Ok(Self { client, table, deps, signer, token })
     }
@@ -107,8 +107,8 @@ impl Rig {
     }
 
     /// The whole callback: signature, parsing, the store's one conditional write, logs, metrics.
-    async fn handler(&self, task_ref: &TaskRef, id: &CaptchaId, expect: &str) -> anyhow::Result<()> {
-        let resp = relay_callback::respond(self.request(task_ref, id), &self.deps).await;
+    async fn handler(&self, req: lambda_http::Request, expect: &str) -> anyhow::Result<()> {
+        let resp = relay_callback::respond(req, &self.deps).await;
         let body = match resp.body() {
             lambda_http::Body::Text(t) => t.clone(),
             lambda_http::Body::Binary(b) => String::from_utf8_lossy(b).into_owned(),
@@ -154,25 +154,63 @@ impl Rig {
 #[derive(Clone, Copy)]
 enum Side {
     Handler,
+    /// The store's result write alone (`TaskStore::record_result`): what the handler adds on
+    /// top of it is its own work; what it adds over the bare write is the condition's.
+    Store,
     Bare,
 }
 
-/// Latencies in µs of one call per task, in order.
-async fn timed(rig: &Rig, side: Side, tasks: &[(TaskRef, CaptchaId)], first: bool) -> anyhow::Result<Vec<f64>> {
+/// Latencies in µs of one call per task, in order, and the process's CPU µs per call (when the
+/// kernel tells).
+async fn timed(
+    rig: &Rig,
+    side: Side,
+    tasks: &[(TaskRef, CaptchaId)],
+    first: bool,
+) -> anyhow::Result<(Vec<f64>, Option<f64>)> {
+    // The runtime decodes the API Gateway event before the handler runs: not measured.
+    let mut reqs: Vec<Option<lambda_http::Request>> =
+        tasks.iter().map(|(r, id)| matches!(side, Side::Handler).then(|| rig.request(r, id))).collect();
     let mut lat = Vec::with_capacity(tasks.len());
-    for (r, id) in tasks {
+    let cpu_before = crate::stats::process_cpu_ns();
+    for ((r, id), req) in tasks.iter().zip(reqs.iter_mut()) {
         let t = Instant::now();
         match side {
-            Side::Handler => rig.handler(r, id, if first { "recorded" } else { "duplicate" }).await?,
+            Side::Handler => {
+                let req = req.take().ok_or_else(|| anyhow::anyhow!("no request"))?;
+                rig.handler(req, if first { "recorded" } else { "duplicate" }).await?
+            }
+            Side::Store => {
+                let d = relay_shared::domain::Delivery {
+                    captcha_id: id.clone(),
+                    outcome: relay_shared::domain::Outcome::Solved(relay_shared::domain::Solution::parse(&rig.token)?),
+                    received_at: SystemClock.now(),
+                    via: relay_shared::domain::Via::Callback,
+                    token_clock_start: relay_shared::time::Timestamp::from_millis(0),
+                };
+                let out = rig.deps.store.record_result(r, &d).await?;
+                anyhow::ensure!(
+                    matches!(
+                        (&out, first),
+                        (relay_shared::store::RecordOutcome::Recorded(_), true)
+                            | (relay_shared::store::RecordOutcome::Duplicate(_), false)
+                    ),
+                    "record_result: unexpected {out:?}"
+                );
+            }
             Side::Bare => anyhow::ensure!(rig.bare(r, id).await? == first, "bare write: unexpected condition result"),
         }
         lat.push(t.elapsed().as_secs_f64() * 1e6);
     }
-    Ok(lat)
+    let cpu = match (cpu_before, crate::stats::process_cpu_ns()) {
+        (Some(a), Some(b)) => Some((b - a) as f64 / 1e3 / tasks.len().max(1) as f64),
+        _ => None,
+    };
+    Ok((lat, cpu))
 }
 
-fn p50_p99(h: &[f64], b: &[f64]) -> [f64; 4] {
-    [percentile(h, 50.0), percentile(b, 50.0), percentile(h, 99.0), percentile(b, 99.0)]
+fn p50_p99(h: &[f64], b: &[f64], st: &[f64]) -> [f64; 5] {
+    [percentile(h, 50.0), percentile(b, 50.0), percentile(h, 99.0), percentile(b, 99.0), percentile(st, 50.0)]
 }
 
 async fn measure(engine: &'static str, endpoint: &str, sizes: &Sizes) -> anyhow::Result<EngineFigures> {
@@ -183,26 +221,36 @@ async fn measure(engine: &'static str, endpoint: &str, sizes: &Sizes) -> anyhow:
     timed(&rig, Side::Bare, &warm[10..], true).await?;
 
     let (mut write, mut dup) = (Vec::new(), Vec::new());
+    let mut cpu_us: HashMap<(usize, bool), Vec<f64>> = HashMap::new();
     for round in 0..sizes.rounds {
         let h_tasks = rig.pending_tasks(sizes.calls).await?;
+        let s_tasks = rig.pending_tasks(sizes.calls).await?;
         let b_tasks = rig.pending_tasks(sizes.calls).await?;
         // A then B, or B then A: alternate so a slow spell hits both.
-        let order = if round % 2 == 0 { [Side::Handler, Side::Bare] } else { [Side::Bare, Side::Handler] };
-        let (mut hw, mut bw, mut hd, mut bd) = (vec![], vec![], vec![], vec![]);
+        let order = if round % 2 == 0 {
+            [Side::Handler, Side::Bare, Side::Store]
+        } else {
+            [Side::Store, Side::Bare, Side::Handler]
+        };
+        let mut lat: HashMap<(usize, bool), Vec<f64>> = HashMap::new();
         for first in [true, false] {
             for side in order {
-                let tasks = if matches!(side, Side::Handler) { &h_tasks } else { &b_tasks };
-                let lat = timed(&rig, side, tasks, first).await?;
-                match (side, first) {
-                    (Side::Handler, true) => hw = lat,
-                    (Side::Bare, true) => bw = lat,
-                    (Side::Handler, false) => hd = lat,
-                    (Side::Bare, false) => bd = lat,
+                let tasks = match side {
+                    Side::Handler => &h_tasks,
+                    Side::Store => &s_tasks,
+                    Side::Bare => &b_tasks,
+                };
+                let (l, cpu) = timed(&rig, side, tasks, first).await?;
+                lat.insert((side as usize, first), l);
+                if let Some(per_call) = cpu {
+                    cpu_us.entry((side as usize, first)).or_default().push(per_call);
                 }
             }
         }
-        write.push(p50_p99(&hw, &bw));
-        dup.push(p50_p99(&hd, &bd));
+        let get = |side: Side, first: bool| lat.get(&(side as usize, first)).cloned().unwrap_or_default();
+        for (first, out) in [(true, &mut write), (false, &mut dup)] {
+            out.push(p50_p99(&get(Side::Handler, first), &get(Side::Bare, first), &get(Side::Store, first)));
+        }
     }
 
     // Throughput: 16 callers at once, first deliveries.
@@ -222,7 +270,9 @@ async fn measure(engine: &'static str, endpoint: &str, sizes: &Sizes) -> anyhow:
         }
         throughput[i] = sizes.concurrent_calls as f64 / t.elapsed().as_secs_f64();
     }
-    Ok(EngineFigures { engine, write, dup, throughput: (throughput[0], throughput[1]) })
+    let cpu = |side: Side, first: bool| Spread::of(cpu_us.get(&(side as usize, first)).map_or(&[][..], |v| &v[..]));
+    let cpu = [true, false].map(|first| [cpu(Side::Handler, first), cpu(Side::Store, first), cpu(Side::Bare, first)]);
+    Ok(EngineFigures { engine, write, dup, cpu, throughput: (throughput[0], throughput[1]) })
 }
 
 fn render(engines: &[EngineFigures], sizes: &Sizes) -> String {
@@ -231,10 +281,12 @@ fn render(engines: &[EngineFigures], sizes: &Sizes) -> String {
          The callback handler as the Lambda runs it (JSON log subscriber and EMF recorder installed; \
          request decoded beforehand) against one bare conditional UpdateItem writing the same \
          attributes ({TOKEN_LEN}-character token) to the same engine from the same SDK client, over \
-         loopback HTTP. {} rounds of {} calls per side and case, order alternated per round; \
+         loopback HTTP; and the store's result write alone (`TaskStore::record_result`, the condition \
+         that makes it exactly-once), which splits the difference into the handler's own work and the \
+         larger write's. {} rounds of {} calls per side and case, order alternated per round; \
          figures are medians over rounds (min–max). Target: handler p50 ≤ {TARGET_RATIO}× the bare write.\n\n\
-         | engine | case | handler p50 | bare p50 | ratio p50 | handler p99 | bare p99 | target |\n\
-         | --- | --- | --- | --- | --- | --- | --- | --- |\n",
+         | engine | case | handler p50 | store write alone p50 | bare p50 | ratio p50 | handler p99 | bare p99 | target |\n\
+         | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
         sizes.rounds, sizes.calls
     );
     for e in engines {
@@ -242,14 +294,33 @@ fn render(engines: &[EngineFigures], sizes: &Sizes) -> String {
             let col = |i: usize| Spread::of(&rounds.iter().map(|r| r[i]).collect::<Vec<_>>());
             let ratio = Spread::of(&rounds.iter().map(|r| r[0] / r[1]).collect::<Vec<_>>());
             s.push_str(&format!(
-                "| {} | {case} | {} | {} | **{}** | {} | {} | {} |\n",
+                "| {} | {case} | {} | {} | {} | **{}** | {} | {} | {} |\n",
                 e.engine,
                 col(0).show(0, " µs"),
+                col(4).show(0, " µs"),
                 col(1).show(0, " µs"),
                 ratio.show(2, "×"),
                 col(2).show(0, " µs"),
                 col(3).show(0, " µs"),
                 if ratio.median <= TARGET_RATIO { "met" } else { "missed" },
+            ));
+        }
+    }
+    s.push_str(
+        "\nCPU time per call of the whole process (SDK client, handler, and the engine serving it), \
+         from the kernel's per-thread counters — less disturbed by other load than wall time:\n\n\
+         | engine | case | handler | store write alone | bare UpdateItem | handler ÷ bare |\n| --- | --- | --- | --- | --- | --- |\n",
+    );
+    for e in engines {
+        for (i, case) in ["first delivery", "duplicate"].iter().enumerate() {
+            let [h, st, b] = e.cpu[i];
+            s.push_str(&format!(
+                "| {} | {case} | {} | {} | {} | {:.2}× |\n",
+                e.engine,
+                h.show(0, " µs"),
+                st.show(0, " µs"),
+                b.show(0, " µs"),
+                h.median / b.median.max(1e-9)
             ));
         }
     }

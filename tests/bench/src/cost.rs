@@ -259,7 +259,11 @@ where
         cpu += call(i).await?;
     }
     let after = counter.snapshot();
-    let ops = after.iter().map(|(k, v)| (k.clone(), v - before.get(k).copied().unwrap_or(0))).filter(|(_, v)| *v > 0).collect();
+    let ops = after
+        .iter()
+        .map(|(k, v)| (k.clone(), v - before.get(k).copied().unwrap_or(0)))
+        .filter(|(_, v)| *v > 0)
+        .collect();
     let emf_bytes = crate::telemetry::flush_metrics();
     Ok(Step {
         name,
@@ -366,7 +370,8 @@ fn render(steps: &[Step], kb: f64, small_kb: f64, stale: &crate::poller::PollRun
         + price::DYNAMODB_WRU
         + 1.0 / 1000.0 * gb * price::LAMBDA_ARM_GB_S;
     let cb = per_step.get("callback").copied().unwrap_or(0.0);
-    let task = ["submit", "callback", "owner read"].iter().map(|k| per_step.get(k).copied().unwrap_or(0.0)).sum::<f64>();
+    let task =
+        ["submit", "callback", "owner read"].iter().map(|k| per_step.get(k).copied().unwrap_or(0.0)).sum::<f64>();
     // The fallback path, per task recovered by the poller: its invocation time and DynamoDB
     // calls shared over the tasks (part 4's stale run), instead of the pingback.
     let reads = stale.res_php as f64 / stale.tasks.max(1) as f64;
@@ -397,10 +402,14 @@ fn render(steps: &[Step], kb: f64, small_kb: f64, stale: &crate::poller::PollRun
     let minutes = 43_200.0;
     let idle_calls = idle.ops.values().sum::<u64>() as f64;
     let idle_ms = (idle.cpu_ms + idle_calls * DYNAMODB_CALL_MS).ceil();
-    let idle_rru = idle.ops.get("Query").copied().unwrap_or(0) as f64 * 0.5 + idle.ops.get("GetItem").copied().unwrap_or(0) as f64;
+    let idle_rru =
+        idle.ops.get("Query").copied().unwrap_or(0) as f64 * 0.5 + idle.ops.get("GetItem").copied().unwrap_or(0) as f64;
     let lines = [
         ("scheduler invocations (1 a minute)", minutes * price::SCHEDULER_INVOCATION),
-        ("poller invocations and their time", minutes * (price::LAMBDA_REQUEST + idle_ms / 1000.0 * gb * price::LAMBDA_ARM_GB_S)),
+        (
+            "poller invocations and their time",
+            minutes * (price::LAMBDA_REQUEST + idle_ms / 1000.0 * gb * price::LAMBDA_ARM_GB_S),
+        ),
         ("poller's DynamoDB reads", minutes * idle_rru * price::DYNAMODB_RRU),
         ("poller's logs", minutes * 600.0 * price::LOG_BYTE),
         ("redrive's SQS long polls (5 pollers, 20 s)", 5.0 * 3.0 * minutes * price::SQS_REQUEST),

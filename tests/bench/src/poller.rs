@@ -90,7 +90,8 @@ fn resolved(world: &World) -> u64 {
 /// Submits `n` tasks through the API with every pingback lost, and lets the poller recover them.
 pub async fn stale(n: usize, batching: bool) -> anyhow::Result<PollRun> {
     let wall = std::time::Instant::now();
-    let fake = FakeConfig { drop_callbacks: 1.0, batch_supported: batching, unsolvable: 0.05, ..FakeConfig::captchaai_like() };
+    let fake =
+        FakeConfig { drop_callbacks: 1.0, batch_supported: batching, unsolvable: 0.05, ..FakeConfig::captchaai_like() };
     let mut world = World::start(fake).await?;
     world.poller.settings.batch = batching;
     let counter = count_poller(&mut world);
@@ -108,7 +109,14 @@ pub async fn stale(n: usize, batching: bool) -> anyhow::Result<PollRun> {
     eprintln!("   stale n={n} batching={batching}: res.php {} ({} ids)", c.res_php, c.res_php_ids);
     let mut run = PollRun { tasks: n, lost: figures.lost, batching, ..PollRun::default() };
     run.fill(&world, &counter);
-    run.drain = world.invocations().iter().filter(|i| i.report.claimed > 0).map(|i| i.ended).max().unwrap_or(EPOCH).since(EPOCH);
+    run.drain = world
+        .invocations()
+        .iter()
+        .filter(|i| i.report.claimed > 0)
+        .map(|i| i.ended)
+        .max()
+        .unwrap_or(EPOCH)
+        .since(EPOCH);
     let (seed, peak) = seed_requests(&world);
     (run.seed_res_php, run.seed_peak_tick) = (Some(seed), peak);
     run.wall = wall.elapsed();
@@ -173,7 +181,11 @@ pub async fn drain(n: usize, beside: usize, batching: bool) -> anyhow::Result<Po
         r??;
     }
     fill_resolved(&world, beside).await?;
-    eprintln!("   {n} due tasks{} written in {:.0?}", if beside > 0 { format!(" and {beside} resolved") } else { String::new() }, wall.elapsed());
+    eprintln!(
+        "   {n} due tasks{} written in {:.0?}",
+        if beside > 0 { format!(" and {beside} resolved") } else { String::new() },
+        wall.elapsed()
+    );
     world.schedule_poller(now.plus(Duration::from_secs(1)));
     // At 10 reads/s a drain takes n / 10 s; allow twice that and an hour.
     let limit = Duration::from_secs(n as u64 / 5 + 3_600);
@@ -182,7 +194,8 @@ pub async fn drain(n: usize, beside: usize, batching: bool) -> anyhow::Result<Po
     }
     let mut run = PollRun { tasks: n, batching, ..PollRun::default() };
     run.fill(&world, &counter);
-    run.drain = world.invocations().iter().filter(|i| i.report.claimed > 0).map(|i| i.ended).max().unwrap_or(now).since(now);
+    run.drain =
+        world.invocations().iter().filter(|i| i.report.claimed > 0).map(|i| i.ended).max().unwrap_or(now).since(now);
     run.wall = wall.elapsed();
     anyhow::ensure!(
         resolved(&world) >= n as u64,
@@ -200,7 +213,7 @@ async fn fill_resolved(world: &World, n: usize) -> anyhow::Result<()> {
     let s = |v: &str| AttributeValue::S(v.to_owned());
     let num = |v: u64| AttributeValue::N(v.to_string());
     let at = world.clock.now().as_millis();
-    let token: String = std::iter::repeat('x').take(600).collect();
+    let token = "x".repeat(600);
     let batches: Vec<Vec<WriteRequest>> = (0..n)
         .map(|i| {
             let item = HashMap::from([
@@ -260,10 +273,20 @@ pub async fn run(opts: &Opts) -> anyhow::Result<String> {
 }
 
 fn ops_cells(r: &PollRun) -> String {
-    OPS.iter().map(|op| format!("{:.0}", r.per_1000(r.ops.get(op).copied().unwrap_or(0)))).collect::<Vec<_>>().join(" | ")
+    OPS.iter()
+        .map(|op| format!("{:.0}", r.per_1000(r.ops.get(op).copied().unwrap_or(0))))
+        .collect::<Vec<_>>()
+        .join(" | ")
 }
 
-fn render(off: &PollRun, on: &PollRun, drained: &[PollRun], alone: &PollRun, next_to: &PollRun, beside: usize) -> String {
+fn render(
+    off: &PollRun,
+    on: &PollRun,
+    drained: &[PollRun],
+    alone: &PollRun,
+    next_to: &PollRun,
+    beside: usize,
+) -> String {
     let mut s = String::from(
         "## 4. Poller: the fallback path at the template's limits\n\n\
          On the simulated clock with template.yaml's poller settings (timeout, 10 res.php requests/s, \

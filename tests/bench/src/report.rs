@@ -15,7 +15,11 @@ impl Report {
     pub fn new(opts: &Opts) -> anyhow::Result<Self> {
         let cpu = std::fs::read_to_string("/proc/cpuinfo")
             .ok()
-            .and_then(|s| s.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_owned()))
+            .and_then(|s| {
+                s.lines()
+                    .find(|l| l.starts_with("model name"))
+                    .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_owned())
+            })
             .unwrap_or_else(|| "unknown CPU".into());
         let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
         let header = format!(
@@ -24,7 +28,10 @@ impl Report {
             if opts.bin_dir.ends_with("release") { "release" } else { "debug" },
             std::env::consts::ARCH,
             cpu,
-            { use relay_shared::time::Clock; relay_shared::time::SystemClock.now().to_rfc3339() },
+            {
+                use relay_shared::time::Clock;
+                relay_shared::time::SystemClock.now().to_rfc3339()
+            },
         );
         let r = Self { path: opts.out.clone(), header, sections: Vec::new() };
         r.save()?;
