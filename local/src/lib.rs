@@ -56,7 +56,13 @@ impl Relay {
                 dead_letters: p.dead_letters.clone(),
                 submits_per_second: relay_api::SUBMITS_PER_SECOND,
             },
-            callback: relay_callback::Deps { store: p.store, signer, clock: p.clock, dead_letters: p.dead_letters },
+            callback: relay_callback::Deps {
+                store: p.store,
+                signer,
+                clock: p.clock,
+                dead_letters: p.dead_letters,
+                recent: relay_callback::RecentResults::default(),
+            },
         }
     }
 }

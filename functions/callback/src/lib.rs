@@ -26,6 +26,90 @@ pub struct Deps {
     pub clock: Arc<dyn Clock>,
     /// Where a result goes when it cannot be stored.
     pub dead_letters: Arc<dyn DeadLetterSink>,
+    /// Results this process saw stored: repeats of them are answered without the store.
+    pub recent: RecentResults,
+}
+
+/// The results this process has seen the store hold, so a repeated delivery of one is answered
+/// `duplicate` without a store round trip (CaptchaAI and proxies repeat pingbacks; a repeat
+/// costs a refused conditional write otherwise).
+///
+/// Why a hit is safe: an entry is added only after the store answered that the task holds this
+/// very result (recorded, replaced, or a duplicate — whose receipt time is then at most this
+/// delivery's). A later delivery of the same result was received later still, so the store would
+/// write nothing for it either: the first-received rule cannot prefer it, and a result once held
+/// can only be replaced by one received *earlier*. The one difference: if such a replacement
+/// happened since, the store would have said `conflict` where the cache says `duplicate` — a
+/// label, not a change to what is stored. Only a SHA-256 of (task, id, result) is kept, never
+/// the token; the set is bounded, oldest out first.
+#[derive(Clone)]
+pub struct RecentResults {
+    inner: Arc<std::sync::Mutex<Recent>>,
+    capacity: usize,
+}
+
+#[derive(Default)]
+struct Recent {
+    set: std::collections::HashSet<[u8; 32]>,
+    order: std::collections::VecDeque<[u8; 32]>,
+}
+
+impl std::fmt::Debug for RecentResults {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RecentResults").field("capacity", &self.capacity).finish_non_exhaustive()
+    }
+}
+
+impl Default for RecentResults {
+    /// 4,096 entries: about 300 KB.
+    fn default() -> Self {
+        Self::new(4_096)
+    }
+}
+
+impl RecentResults {
+    pub fn new(capacity: usize) -> Self {
+        Self { inner: Arc::default(), capacity }
+    }
+
+    /// No cache: every delivery goes to the store.
+    pub fn disabled() -> Self {
+        Self::new(0)
+    }
+
+    fn key(task_ref: &TaskRef, d: &Delivery) -> [u8; 32] {
+        use sha2::Digest;
+        let (kind, code) = match &d.outcome {
+            Outcome::Solved(s) => ("solved", s.expose()),
+            Outcome::Failed(c) => ("failed", c.as_ref()),
+        };
+        let mut h = sha2::Sha256::new();
+        for part in [task_ref.as_ref(), d.captcha_id.as_ref(), kind, code] {
+            h.update((part.len() as u64).to_be_bytes());
+            h.update(part.as_bytes());
+        }
+        h.finalize().into()
+    }
+
+    fn holds(&self, key: &[u8; 32]) -> bool {
+        self.capacity > 0 && self.inner.lock().is_ok_and(|r| r.set.contains(key))
+    }
+
+    fn remember(&self, key: [u8; 32]) {
+        if self.capacity == 0 {
+            return;
+        }
+        if let Ok(mut r) = self.inner.lock()
+            && r.set.insert(key)
+        {
+            r.order.push_back(key);
+            while r.order.len() > self.capacity {
+                if let Some(old) = r.order.pop_front() {
+                    r.set.remove(&old);
+                }
+            }
+        }
+    }
 }
 
 impl Deps {
@@ -43,6 +127,7 @@ impl Deps {
             signer: CallbackSigner::new(secret),
             clock: Arc::new(relay_shared::time::SystemClock),
             dead_letters: Arc::new(SqsQueue::new(aws_sdk_sqs::Client::new(&aws), cfg.dead_letter_queue_url)),
+            recent: RecentResults::default(),
         })
     }
 }
@@ -179,7 +264,17 @@ async fn handle_inner(req: Request, deps: &Deps) -> Result<Response<Body>, Respo
     let span = tracing::info_span!("callback", task_ref = %task_ref, captcha_id = %delivery.captcha_id);
     let _enter = span.enter();
     let outcome = outcome_label(&delivery.outcome);
-    match deps.store.record_result(&task_ref, &delivery).await {
+    let key = RecentResults::key(&task_ref, &delivery);
+    if deps.recent.holds(&key) {
+        tracing::info!(event = "callback_duplicate", cached = true, "duplicate delivery absorbed");
+        metrics::counter!("callbacks", "outcome" => "duplicate").increment(1);
+        return Ok(json(200, &serde_json::json!({ "outcome": "duplicate" })));
+    }
+    let result = deps.store.record_result(&task_ref, &delivery).await;
+    if let Ok(RecordOutcome::Recorded(_) | RecordOutcome::Duplicate(_) | RecordOutcome::Replaced(_)) = &result {
+        deps.recent.remember(key);
+    }
+    match result {
         Ok(RecordOutcome::Recorded(_)) => {
             tracing::info!(event = "callback_recorded", outcome, "result recorded");
             metrics::counter!("callbacks", "outcome" => "recorded").increment(1);
@@ -273,6 +368,7 @@ mod tests {
             signer: CallbackSigner::new(SecretString::from("test-signing-secret".to_owned())),
             clock: Arc::new(ManualClock::at(Timestamp::from_millis(1_796_210_146_000))),
             dead_letters: Arc::new(MemorySink::default()),
+            recent: RecentResults::default(),
         };
         Ok(World { _db: db, deps })
     }
@@ -338,6 +434,56 @@ mod tests {
             );
         }
         Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn repeats_of_a_stored_result_are_answered_without_the_store() -> anyhow::Result<()> {
+        let w = world().await?;
+        let (client, counter) = w._db.counting_client();
+        let counted = Deps {
+            store: TaskStore::new(client, w.deps.store.table(), std::time::Duration::from_secs(60)),
+            ..w.deps.clone()
+        };
+        let (r, other) = (w.pending_task().await?, w.pending_task().await?);
+        let req = |r: &TaskRef, code: &str| ApiGatewayEvent::new("GET", &w.path(r)).query(&format!("id=777&code={code}")).build();
+        assert!(text(&respond(req(&r, "tok-A"), &counted).await).contains("recorded"));
+        let writes = counter.count("UpdateItem");
+        assert_eq!(writes, 1);
+        for _ in 0..5 {
+            let again = respond(req(&r, "tok-A"), &counted).await;
+            assert_eq!((again.status().as_u16(), text(&again).contains("duplicate")), (200, true));
+        }
+        assert_eq!(counter.count("UpdateItem"), writes, "repeats answered from memory");
+        // A different result, or the same token for another task, is not a repeat: the store decides.
+        assert!(text(&respond(req(&r, "tok-B"), &counted).await).contains("conflict"));
+        assert!(text(&respond(req(&other, "tok-A"), &counted).await).contains("recorded"));
+        assert_eq!(counter.count("UpdateItem"), writes + 2);
+        assert!(matches!(w.state(&r).await, TaskState::Solved { solution, .. } if solution.expose() == "tok-A"));
+        // Off: every repeat is a refused write.
+        let off = Deps { recent: RecentResults::disabled(), ..counted.clone() };
+        assert!(text(&respond(req(&r, "tok-A"), &off).await).contains("duplicate"));
+        assert_eq!(counter.count("UpdateItem"), writes + 3);
+        Ok(())
+    }
+
+    #[test]
+    fn the_recent_results_set_is_bounded_and_keeps_no_token() {
+        let recent = RecentResults::new(2);
+        let d = |code: &str| Delivery {
+            captcha_id: CaptchaId::parse("777").expect("id"),
+            outcome: Outcome::Solved(Solution::parse(code).expect("token")),
+            received_at: Timestamp::from_millis(1),
+            via: Via::Callback,
+            token_clock_start: Timestamp::from_millis(0),
+        };
+        let r = TaskRef::generate();
+        let keys: Vec<_> = ["tok-1", "tok-2", "tok-3"].iter().map(|c| RecentResults::key(&r, &d(c))).collect();
+        keys.iter().for_each(|k| recent.remember(*k));
+        assert_eq!([0, 1, 2].map(|i| recent.holds(&keys[i])), [false, true, true], "oldest out first");
+        assert!(!format!("{recent:?}").contains("tok-"));
+        let off = RecentResults::disabled();
+        off.remember(keys[0]);
+        assert!(!off.holds(&keys[0]));
     }
 
     #[tokio::test(flavor = "multi_thread")]

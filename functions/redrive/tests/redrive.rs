@@ -56,6 +56,7 @@ impl World {
             signer: self.signer.clone(),
             clock: Arc::new(self.clock.clone()),
             dead_letters,
+            recent: relay_callback::RecentResults::default(),
         }
     }
 

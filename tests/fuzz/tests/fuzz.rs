@@ -189,6 +189,7 @@ fn callback() -> &'static CallbackWorld {
                 signer,
                 clock: Arc::new(ManualClock::at(now)),
                 dead_letters: Arc::new(MemorySink::default()),
+                recent: relay_callback::RecentResults::default(),
             };
             CallbackWorld { _db: db, deps, task: task.task_ref, sig }
         })
