@@ -10,23 +10,9 @@ cd "$root"
 infra/tools.sh
 mkdir -p target  # nothing may assume an earlier build made it
 
-port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()')"
-echo "==> starting moto server (SQS, and DynamoDB for the contract tests) on 127.0.0.1:$port"
-.venv/bin/moto_server -H 127.0.0.1 -p "$port" > target/moto.log 2>&1 &
-moto_pid=$!
-trap 'kill "$moto_pid" 2>/dev/null; wait "$moto_pid" 2>/dev/null || true' EXIT
-python3 - "$port" <<'PY' || { echo "moto server did not start (see target/moto.log)" >&2; exit 1; }
-import sys, time, urllib.request
-url = f"http://127.0.0.1:{sys.argv[1]}/moto-api/"
-for _ in range(300):
-    try:
-        urllib.request.urlopen(url, timeout=1)
-        sys.exit(0)
-    except Exception:
-        time.sleep(0.1)
-sys.exit(1)
-PY
-export RELAY_TEST_SQS_ENDPOINT="http://127.0.0.1:$port"
+source infra/moto.sh
+start_moto
+export RELAY_TEST_SQS_ENDPOINT="$MOTO_ENDPOINT"
 
 echo "==> cargo test (unit, store on embedded DynamoDB, handlers, poller, dead letters on moto SQS, end to end)"
 cargo test --workspace --all-targets --locked

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The performance bench: one command, one report, printed and written to target/bench-report.md.
+#   infra/bench.sh                      every part, release builds (about 25 min on 2 cores)
+#   infra/bench.sh --quick              the smoke version the test command runs: debug builds,
+#                                       small numbers; checks that every part works, not timings
+#   infra/bench.sh --parts callback,cost   some parts only (any relay-bench option passes through)
+# Installs what it needs (pinned): moto in .venv, wrk and the comparison apps' .venv-bench
+# (infra/tools.sh bench). Starts a moto server on loopback and stops it on exit.
+set -euo pipefail
+export SAM_CLI_TELEMETRY=0
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+profile=release
+for a in "$@"; do [ "$a" = "--quick" ] && profile=debug; done
+[ -x .venv/bin/moto_server ] || infra/tools.sh moto
+infra/tools.sh bench
+flag=(); [ "$profile" = release ] && flag=(--release)
+echo "==> building the bench and local mode ($profile)"
+cargo build "${flag[@]}" --locked -p relay-bench -p relay-local
+# The functions (and the hello yardstick) on their own, as a deploy builds them: without the
+# bench's test features.
+echo "==> building the four functions ($profile)"
+cargo build "${flag[@]}" --locked -p relay-api -p relay-callback -p relay-poller -p relay-redrive -p relay-bench-hello
+source infra/moto.sh
+start_moto
+echo "==> relay-bench $*"
+"target/$profile/relay-bench" --bin-dir "target/$profile" --moto "$MOTO_ENDPOINT" "$@"
