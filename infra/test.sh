@@ -28,6 +28,9 @@ RELAY_TEST_DYNAMODB_ENDPOINT="$RELAY_TEST_SQS_ENDPOINT" cargo test -p relay-shar
 echo "==> end to end: the real Lambda binaries under cargo lambda watch, moto, resources from template.yaml"
 infra/e2e.sh
 
+echo "==> the performance bench's smoke version (every part runs on small numbers; timings not checked)"
+infra/bench.sh --quick --out target/bench-smoke.md
+
 echo "==> template lint (cfn-lint, the project's own template checks, sam validate --lint)"
 .venv/bin/cfn-lint template.yaml
 .venv/bin/python infra/check_template.py --self-test

@@ -14,7 +14,9 @@
 //!   the dead-letter queue for the redrive function to store.
 
 use std::sync::Arc;
+
 use std::time::Duration;
+use tracing::Instrument;
 
 use lambda_http::{Body, Request, Response};
 use relay_shared::captchaai::{CaptchaAiClient, CaptchaAiError, SubmitRequest};
@@ -221,120 +223,123 @@ async fn submit(req: &Request, deps: &Deps) -> Result<Response<Body>, Response<B
     };
     let task = Task::new(task_ref.clone(), kind, now);
     let span = tracing::info_span!("submit", task_ref = %task_ref, kind = %kind, idempotent = idem.is_some());
-    let _enter = span.enter();
+    async move {
 
-    // The account-wide breaker: while CaptchaAI bans us, sending more only extends the ban.
-    match deps.store.breaker().await {
-        Ok(b) => {
-            if let Some(until) = b.open_for_submits_at(now) {
-                let reason = b.reason.unwrap_or_default();
-                metrics::counter!("submits", "outcome" => "breaker_open").increment(1);
+        // The account-wide breaker: while CaptchaAI bans us, sending more only extends the ban.
+        match deps.store.breaker().await {
+            Ok(b) => {
+                if let Some(until) = b.open_for_submits_at(now) {
+                    let reason = b.reason.unwrap_or_default();
+                    metrics::counter!("submits", "outcome" => "breaker_open").increment(1);
+                    return Err(unavailable(
+                        "captchaai_unavailable",
+                        format!(
+                            "CaptchaAI traffic is stopped until {until} ({reason}); nothing was recorded or sent, trying again then is safe"
+                        ),
+                        until.since(now),
+                        true,
+                    ));
+                }
+            }
+            Err(e) => return Err(store_unavailable(&e)),
+        }
+        // Paced account-wide, so a burst of submits never earns MAX_USER_TURN.
+        match deps.store.take_submit_slot(now, deps.submits_per_second).await {
+            Ok(true) => {}
+            Ok(false) => {
+                metrics::counter!("submits", "outcome" => "rate_limited").increment(1);
+                let body = serde_json::json!({ "error": { "code": "rate_limited", "retry_safe": true,
+                    "message": "too many submits this second (CaptchaAI bans more than 60 in 3 s); nothing was sent, try again in a second" } });
+                return Err(with_header(json(429, &body), "retry-after", "1"));
+            }
+            Err(e) => return Err(store_unavailable(&e)),
+        }
+        // Recorded before in.php hears of it. If in.php's answer is never stored, the poller
+        // expires the task at this deadline.
+        let grace = deps.callback_grace.for_kind(kind);
+        let deadline = now.plus(grace + kind.max_solve_time());
+        match deps.store.create(&task, deadline, idem.as_ref().map(|_| fingerprint.as_str())).await {
+            Ok(Created::New) => {}
+            Ok(Created::Existing { task, fingerprint: stored }) => {
+                metrics::counter!("submits", "outcome" => "replayed").increment(1);
+                tracing::info!(event = "submit_replayed", state = task.state.name(), "idempotency key seen before");
+                let task = if stored.as_deref() == Some(fingerprint.as_str()) { pinned(task, deps).await? } else { task };
+                return Ok(replay(&task, stored.as_deref(), &fingerprint, deps.clock.now()));
+            }
+            Err(e) => return Err(store_unavailable(&e)),
+        }
+        let Some(base) = callback_base(req, deps) else {
+            tracing::error!(event = "config_error", "no CALLBACK_BASE_URL and no API domain in the request");
+            return Err(problem(500, "misconfigured", "the relay does not know its callback URL"));
+        };
+        let pingback = deps.signer.callback_url(&base, &task_ref);
+        let mut attempt = 1;
+        loop {
+            let err = match deps.captchaai.submit(&submit, &pingback).await {
+                Ok(id) => return Ok(accepted(deps, &task, &id, grace, attempt).await),
+                Err(e) => e,
+            };
+            if err.outcome_unknown() {
+                return Ok(outcome_unknown(deps, &task, &err).await);
+            }
+            if let CaptchaAiError::Code(code) = &err
+                && let Some(b) = ban(code.as_ref())
+            {
+                // A ban is never retried in the request: that would extend it.
+                let at = deps.clock.now();
+                let until = at.plus(b.duration);
+                let stop = relay_shared::store::Stop::Ban { needs_operator: b.needs_operator };
+                if let Err(e) = deps.store.open_breaker(until, code.as_ref(), stop, at).await {
+                    tracing::error!(event = "breaker_store_failed", error = %e);
+                }
+                metrics::counter!("breaker_opened", "reason" => if b.needs_operator { "key_rejected" } else { "ban" })
+                    .increment(1);
+                tracing::warn!(event = "breaker_opened", code = %code, until = %until, "in.php answered a ban; CaptchaAI traffic stopped");
+                refused(deps, &task_ref, &err, idem.is_some()).await;
                 return Err(unavailable(
-                    "captchaai_unavailable",
+                    code.as_ref(),
                     format!(
-                        "CaptchaAI traffic is stopped until {until} ({reason}); nothing was recorded or sent, trying again then is safe"
+                        "CaptchaAI answered {code}; traffic is stopped until {until}. Nothing was accepted: trying again then is safe"
                     ),
-                    until.since(now),
+                    b.duration,
                     true,
                 ));
             }
-        }
-        Err(e) => return Err(store_unavailable(&e)),
-    }
-    // Paced account-wide, so a burst of submits never earns MAX_USER_TURN.
-    match deps.store.take_submit_slot(now, deps.submits_per_second).await {
-        Ok(true) => {}
-        Ok(false) => {
-            metrics::counter!("submits", "outcome" => "rate_limited").increment(1);
-            let body = serde_json::json!({ "error": { "code": "rate_limited", "retry_safe": true,
-                "message": "too many submits this second (CaptchaAI bans more than 60 in 3 s); nothing was sent, try again in a second" } });
-            return Err(with_header(json(429, &body), "retry-after", "1"));
-        }
-        Err(e) => return Err(store_unavailable(&e)),
-    }
-    // Recorded before in.php hears of it. If in.php's answer is never stored, the poller
-    // expires the task at this deadline.
-    let grace = deps.callback_grace.for_kind(kind);
-    let deadline = now.plus(grace + kind.max_solve_time());
-    match deps.store.create(&task, deadline, idem.as_ref().map(|_| fingerprint.as_str())).await {
-        Ok(Created::New) => {}
-        Ok(Created::Existing { task, fingerprint: stored }) => {
-            metrics::counter!("submits", "outcome" => "replayed").increment(1);
-            tracing::info!(event = "submit_replayed", state = task.state.name(), "idempotency key seen before");
-            let task = if stored.as_deref() == Some(fingerprint.as_str()) { pinned(task, deps).await? } else { task };
-            return Ok(replay(&task, stored.as_deref(), &fingerprint, deps.clock.now()));
-        }
-        Err(e) => return Err(store_unavailable(&e)),
-    }
-    let Some(base) = callback_base(req, deps) else {
-        tracing::error!(event = "config_error", "no CALLBACK_BASE_URL and no API domain in the request");
-        return Err(problem(500, "misconfigured", "the relay does not know its callback URL"));
-    };
-    let pingback = deps.signer.callback_url(&base, &task_ref);
-    let mut attempt = 1;
-    loop {
-        let err = match deps.captchaai.submit(&submit, &pingback).await {
-            Ok(id) => return Ok(accepted(deps, &task, &id, grace, attempt).await),
-            Err(e) => e,
-        };
-        if err.outcome_unknown() {
-            return Ok(outcome_unknown(deps, &task, &err).await);
-        }
-        if let CaptchaAiError::Code(code) = &err
-            && let Some(b) = ban(code.as_ref())
-        {
-            // A ban is never retried in the request: that would extend it.
-            let at = deps.clock.now();
-            let until = at.plus(b.duration);
-            let stop = relay_shared::store::Stop::Ban { needs_operator: b.needs_operator };
-            if let Err(e) = deps.store.open_breaker(until, code.as_ref(), stop, at).await {
-                tracing::error!(event = "breaker_store_failed", error = %e);
+            let retry = matches!(err, CaptchaAiError::Connect(_))
+                || matches!(err.class(), CodeClass::Transient | CodeClass::Unknown | CodeClass::NotReady);
+            if retry && attempt < deps.submit_attempts {
+                let delay = backoff_delay(attempt, deps.submit_backoff, Duration::from_secs(4));
+                tracing::warn!(event = "submit_retry", error = %err, attempt, delay_ms = delay.as_millis() as u64, "in.php refused for now");
+                tokio::time::sleep(delay).await;
+                attempt += 1;
+                continue;
             }
-            metrics::counter!("breaker_opened", "reason" => if b.needs_operator { "key_rejected" } else { "ban" })
-                .increment(1);
-            tracing::warn!(event = "breaker_opened", code = %code, until = %until, "in.php answered a ban; CaptchaAI traffic stopped");
+            // An explicit refusal (or a connection that never opened): nothing was accepted.
             refused(deps, &task_ref, &err, idem.is_some()).await;
-            return Err(unavailable(
-                code.as_ref(),
-                format!(
-                    "CaptchaAI answered {code}; traffic is stopped until {until}. Nothing was accepted: trying again then is safe"
-                ),
-                b.duration,
-                true,
-            ));
+            let code = err.code();
+            return Err(if matches!(err.class(), CodeClass::Permanent | CodeClass::TerminalForTask) {
+                metrics::counter!("submits", "outcome" => "refused").increment(1);
+                json(
+                    422,
+                    &serde_json::json!({ "error": { "code": code, "message": format!("in.php refused the task: {err}"), "class": err.class().as_str(), "retry_safe": false }, "task_ref": task_ref }),
+                )
+            } else {
+                metrics::counter!("submits", "outcome" => "transient").increment(1);
+                let mut resp = unavailable(
+                    &code,
+                    format!("in.php refused the task {attempt} times ({err}); nothing was accepted, trying again is safe"),
+                    Duration::from_secs(relay_shared::codes::retry_after_secs(&code)),
+                    true,
+                );
+                if let Ok(v) = http::HeaderValue::from_str(task_ref.as_ref()) {
+                    resp.headers_mut().insert("x-task-ref", v);
+                }
+                resp
+            });
         }
-        let retry = matches!(err, CaptchaAiError::Connect(_))
-            || matches!(err.class(), CodeClass::Transient | CodeClass::Unknown | CodeClass::NotReady);
-        if retry && attempt < deps.submit_attempts {
-            let delay = backoff_delay(attempt, deps.submit_backoff, Duration::from_secs(4));
-            tracing::warn!(event = "submit_retry", error = %err, attempt, delay_ms = delay.as_millis() as u64, "in.php refused for now");
-            tokio::time::sleep(delay).await;
-            attempt += 1;
-            continue;
-        }
-        // An explicit refusal (or a connection that never opened): nothing was accepted.
-        refused(deps, &task_ref, &err, idem.is_some()).await;
-        let code = err.code();
-        return Err(if matches!(err.class(), CodeClass::Permanent | CodeClass::TerminalForTask) {
-            metrics::counter!("submits", "outcome" => "refused").increment(1);
-            json(
-                422,
-                &serde_json::json!({ "error": { "code": code, "message": format!("in.php refused the task: {err}"), "class": err.class().as_str(), "retry_safe": false }, "task_ref": task_ref }),
-            )
-        } else {
-            metrics::counter!("submits", "outcome" => "transient").increment(1);
-            let mut resp = unavailable(
-                &code,
-                format!("in.php refused the task {attempt} times ({err}); nothing was accepted, trying again is safe"),
-                Duration::from_secs(relay_shared::codes::retry_after_secs(&code)),
-                true,
-            );
-            if let Ok(v) = http::HeaderValue::from_str(task_ref.as_ref()) {
-                resp.headers_mut().insert("x-task-ref", v);
-            }
-            resp
-        });
     }
+    .instrument(span)
+    .await
 }
 
 /// Stores an explicit refusal on the task (it failed at submit, nothing was accepted). A refusal

@@ -6,6 +6,8 @@
 
 use std::sync::Arc;
 
+use tracing::Instrument;
+
 use lambda_http::{Body, Request, Response};
 use relay_shared::codes::{CodeClass, ErrorCode, classify, is_error_code};
 use relay_shared::deadletter::{DeadLetter, DeadLetterSink, SqsQueue};
@@ -262,89 +264,92 @@ async fn handle_inner(req: Request, deps: &Deps) -> Result<Response<Body>, Respo
         tracing::warn!(event = "callback_rejected", task_ref = %task_ref, status = r.status().as_u16(), "malformed callback");
     })?;
     let span = tracing::info_span!("callback", task_ref = %task_ref, captcha_id = %delivery.captcha_id);
-    let _enter = span.enter();
-    let outcome = outcome_label(&delivery.outcome);
-    let key = RecentResults::key(&task_ref, &delivery);
-    if deps.recent.holds(&key) {
-        tracing::info!(event = "callback_duplicate", cached = true, "duplicate delivery absorbed");
-        metrics::counter!("callbacks", "outcome" => "duplicate").increment(1);
-        return Ok(json(200, &serde_json::json!({ "outcome": "duplicate" })));
-    }
-    let result = deps.store.record_result(&task_ref, &delivery).await;
-    if let Ok(RecordOutcome::Recorded(_) | RecordOutcome::Duplicate(_) | RecordOutcome::Replaced(_)) = &result {
-        deps.recent.remember(key);
-    }
-    match result {
-        Ok(RecordOutcome::Recorded(_)) => {
-            tracing::info!(event = "callback_recorded", outcome, "result recorded");
-            metrics::counter!("callbacks", "outcome" => "recorded").increment(1);
-            Ok(json(200, &serde_json::json!({ "outcome": "recorded" })))
-        }
-        Ok(RecordOutcome::Duplicate(_)) => {
-            tracing::info!(event = "callback_duplicate", "duplicate delivery absorbed");
+    async move {
+        let outcome = outcome_label(&delivery.outcome);
+        let key = RecentResults::key(&task_ref, &delivery);
+        if deps.recent.holds(&key) {
+            tracing::info!(event = "callback_duplicate", cached = true, "duplicate delivery absorbed");
             metrics::counter!("callbacks", "outcome" => "duplicate").increment(1);
-            Ok(json(200, &serde_json::json!({ "outcome": "duplicate" })))
+            return Ok(json(200, &serde_json::json!({ "outcome": "duplicate" })));
         }
-        Ok(RecordOutcome::Conflict(existing)) => {
-            tracing::warn!(
-                event = "callback_conflict",
-                existing = existing.state.name(),
-                outcome,
-                "a different result was already recorded; the first one stays"
-            );
-            metrics::counter!("callbacks", "outcome" => "conflict").increment(1);
-            Ok(json(200, &serde_json::json!({ "outcome": "conflict" })))
+        let result = deps.store.record_result(&task_ref, &delivery).await;
+        if let Ok(RecordOutcome::Recorded(_) | RecordOutcome::Duplicate(_) | RecordOutcome::Replaced(_)) = &result {
+            deps.recent.remember(key);
         }
-        Ok(RecordOutcome::Replaced(_)) => {
-            // Received before the result that was stored first (which came later but was stored
-            // while this one was failing): the first received wins until the owner saw one.
-            tracing::warn!(
-                event = "result_replaced",
-                via = "callback",
-                outcome,
-                "earlier-received result replaced a later one"
-            );
-            metrics::counter!("results_replaced", "via" => "callback").increment(1);
-            metrics::counter!("callbacks", "outcome" => "recorded").increment(1);
-            Ok(json(200, &serde_json::json!({ "outcome": "recorded" })))
-        }
-        Ok(RecordOutcome::Late(_)) => {
-            // Paid for, so never dropped: kept on the expired task and shown to its owner.
-            tracing::warn!(
-                event = "late_result_kept",
-                outcome,
-                "result after the task expired; kept as its late result"
-            );
-            metrics::counter!("callbacks", "outcome" => "late").increment(1);
-            metrics::counter!("late_results_kept", "via" => "callback").increment(1);
-            Ok(json(200, &serde_json::json!({ "outcome": "late" })))
-        }
-        Ok(RecordOutcome::IdMismatch { expected }) => {
-            tracing::warn!(event = "callback_rejected", reason = "id_mismatch", %expected, "callback for another CaptchaAI id");
-            Err(problem(409, "id_mismatch", "the `id` is not this task's CaptchaAI id"))
-        }
-        Ok(RecordOutcome::NotFound) => {
-            tracing::warn!(event = "callback_rejected", reason = "unknown_task", "callback for an unknown task");
-            Err(problem(404, "unknown_task", "no such task"))
-        }
-        Err(e) => {
-            // Our failure, not the delivery's: keep the whole delivery on the dead-letter queue
-            // and tell CaptchaAI it arrived. Only if that fails too does the sender hear 5xx.
-            let letter = DeadLetter::new(&task_ref, &delivery, &e.to_string(), 1);
-            match deps.dead_letters.send(&letter).await {
-                Ok(()) => {
-                    tracing::warn!(event = "callback_dead_lettered", error = %e, "store failed; result kept as a dead letter");
-                    metrics::counter!("dead_lettered").increment(1);
-                    metrics::counter!("callbacks", "outcome" => "dead_lettered").increment(1);
-                    Ok(json(200, &serde_json::json!({ "outcome": "dead_lettered" })))
-                }
-                Err(q) => {
-                    tracing::error!(event = "callback_not_stored", store_error = %e, queue_error = %q, "store and dead-letter queue both failed; the poller will recover the result");
-                    Err(problem(503, "store_unavailable", "the result could not be stored; deliver it again later"))
+        match result {
+            Ok(RecordOutcome::Recorded(_)) => {
+                tracing::info!(event = "callback_recorded", outcome, "result recorded");
+                metrics::counter!("callbacks", "outcome" => "recorded").increment(1);
+                Ok(json(200, &serde_json::json!({ "outcome": "recorded" })))
+            }
+            Ok(RecordOutcome::Duplicate(_)) => {
+                tracing::info!(event = "callback_duplicate", "duplicate delivery absorbed");
+                metrics::counter!("callbacks", "outcome" => "duplicate").increment(1);
+                Ok(json(200, &serde_json::json!({ "outcome": "duplicate" })))
+            }
+            Ok(RecordOutcome::Conflict(existing)) => {
+                tracing::warn!(
+                    event = "callback_conflict",
+                    existing = existing.state.name(),
+                    outcome,
+                    "a different result was already recorded; the first one stays"
+                );
+                metrics::counter!("callbacks", "outcome" => "conflict").increment(1);
+                Ok(json(200, &serde_json::json!({ "outcome": "conflict" })))
+            }
+            Ok(RecordOutcome::Replaced(_)) => {
+                // Received before the result that was stored first (which came later but was stored
+                // while this one was failing): the first received wins until the owner saw one.
+                tracing::warn!(
+                    event = "result_replaced",
+                    via = "callback",
+                    outcome,
+                    "earlier-received result replaced a later one"
+                );
+                metrics::counter!("results_replaced", "via" => "callback").increment(1);
+                metrics::counter!("callbacks", "outcome" => "recorded").increment(1);
+                Ok(json(200, &serde_json::json!({ "outcome": "recorded" })))
+            }
+            Ok(RecordOutcome::Late(_)) => {
+                // Paid for, so never dropped: kept on the expired task and shown to its owner.
+                tracing::warn!(
+                    event = "late_result_kept",
+                    outcome,
+                    "result after the task expired; kept as its late result"
+                );
+                metrics::counter!("callbacks", "outcome" => "late").increment(1);
+                metrics::counter!("late_results_kept", "via" => "callback").increment(1);
+                Ok(json(200, &serde_json::json!({ "outcome": "late" })))
+            }
+            Ok(RecordOutcome::IdMismatch { expected }) => {
+                tracing::warn!(event = "callback_rejected", reason = "id_mismatch", %expected, "callback for another CaptchaAI id");
+                Err(problem(409, "id_mismatch", "the `id` is not this task's CaptchaAI id"))
+            }
+            Ok(RecordOutcome::NotFound) => {
+                tracing::warn!(event = "callback_rejected", reason = "unknown_task", "callback for an unknown task");
+                Err(problem(404, "unknown_task", "no such task"))
+            }
+            Err(e) => {
+                // Our failure, not the delivery's: keep the whole delivery on the dead-letter queue
+                // and tell CaptchaAI it arrived. Only if that fails too does the sender hear 5xx.
+                let letter = DeadLetter::new(&task_ref, &delivery, &e.to_string(), 1);
+                match deps.dead_letters.send(&letter).await {
+                    Ok(()) => {
+                        tracing::warn!(event = "callback_dead_lettered", error = %e, "store failed; result kept as a dead letter");
+                        metrics::counter!("dead_lettered").increment(1);
+                        metrics::counter!("callbacks", "outcome" => "dead_lettered").increment(1);
+                        Ok(json(200, &serde_json::json!({ "outcome": "dead_lettered" })))
+                    }
+                    Err(q) => {
+                        tracing::error!(event = "callback_not_stored", store_error = %e, queue_error = %q, "store and dead-letter queue both failed; the poller will recover the result");
+                        Err(problem(503, "store_unavailable", "the result could not be stored; deliver it again later"))
+                    }
                 }
             }
         }
     }
+    .instrument(span)
+    .await
 }
 
 #[cfg(test)]
@@ -445,7 +450,9 @@ mod tests {
             ..w.deps.clone()
         };
         let (r, other) = (w.pending_task().await?, w.pending_task().await?);
-        let req = |r: &TaskRef, code: &str| ApiGatewayEvent::new("GET", &w.path(r)).query(&format!("id=777&code={code}")).build();
+        let req = |r: &TaskRef, code: &str| {
+            ApiGatewayEvent::new("GET", &w.path(r)).query(&format!("id=777&code={code}")).build()
+        };
         assert!(text(&respond(req(&r, "tok-A"), &counted).await).contains("recorded"));
         let writes = counter.count("UpdateItem");
         assert_eq!(writes, 1);
@@ -463,6 +470,58 @@ mod tests {
         let off = Deps { recent: RecentResults::disabled(), ..counted.clone() };
         assert!(text(&respond(req(&r, "tok-A"), &off).await).contains("duplicate"));
         assert_eq!(counter.count("UpdateItem"), writes + 3);
+        Ok(())
+    }
+
+    /// Counts `callback` spans created inside another `callback` span.
+    struct NestedSpans(Arc<std::sync::atomic::AtomicUsize>);
+
+    impl<S> tracing_subscriber::Layer<S> for NestedSpans
+    where
+        S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+    {
+        fn on_new_span(
+            &self,
+            attrs: &tracing::span::Attributes<'_>,
+            _id: &tracing::span::Id,
+            ctx: tracing_subscriber::layer::Context<'_, S>,
+        ) {
+            let parent = if attrs.is_contextual() {
+                ctx.lookup_current().map(|s| s.name())
+            } else {
+                attrs.parent().and_then(|p| ctx.span(p)).map(|s| s.name())
+            };
+            if attrs.metadata().name() == "callback" && parent == Some("callback") {
+                self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn concurrent_pingbacks_do_not_nest_their_spans() -> anyhow::Result<()> {
+        // A span entered across an await stays entered on the thread while the request waits, so
+        // every other request's span becomes its child: in a warm process the chain grows with
+        // each request until closing it overflows the stack (found by the bench under load).
+        use tracing_subscriber::layer::SubscriberExt;
+        let nested = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let _guard = tracing::subscriber::set_default(
+            tracing_subscriber::registry::Registry::default().with(NestedSpans(nested.clone())),
+        );
+        let w = Arc::new(world().await?);
+        let mut set = tokio::task::JoinSet::new();
+        for _ in 0..20 {
+            let w = w.clone();
+            set.spawn(async move {
+                let r = w.pending_task().await?;
+                let resp = w.get(&w.path(&r), "id=777&code=tok-A").await;
+                anyhow::ensure!(resp.status() == 200, "{}", text(&resp));
+                anyhow::Ok(())
+            });
+        }
+        while let Some(r) = set.join_next().await {
+            r??;
+        }
+        assert_eq!(nested.load(std::sync::atomic::Ordering::SeqCst), 0, "a request's span leaked into another's");
         Ok(())
     }
 
