@@ -99,6 +99,9 @@ pub struct LocalConfig {
     pub poll_interval_secs: u64,
     /// Seconds a callback gets before the poller reads res.php (`CALLBACK_GRACE_SECS`).
     pub callback_grace_secs: Option<u64>,
+    /// Results remembered so repeated pingbacks are answered without the store
+    /// (`CALLBACK_RECENT_RESULTS`; 0 turns it off).
+    pub recent_results: usize,
 }
 
 impl Default for LocalConfig {
@@ -113,6 +116,7 @@ impl Default for LocalConfig {
             public_url: None,
             poll_interval_secs: 10,
             callback_grace_secs: None,
+            recent_results: relay_callback::RECENT_RESULTS,
         }
     }
 }
@@ -157,6 +161,12 @@ impl LocalConfig {
         }
         if let Some(v) = env("CALLBACK_GRACE_SECS") {
             c.callback_grace_secs = Some(num("CALLBACK_GRACE_SECS", v)?);
+        }
+        if let Some(v) = env("CALLBACK_RECENT_RESULTS") {
+            c.recent_results = v
+                .trim()
+                .parse()
+                .with_context(|| format!("CALLBACK_RECENT_RESULTS must be a whole number (0: off), got `{v}`"))?;
         }
         c.check()?;
         Ok(c)
@@ -283,6 +293,7 @@ pub async fn start(cfg: &LocalConfig, opts: Options) -> anyhow::Result<Running> 
         clock: clock.clone(),
         dead_letters: Arc::new(queue.clone()),
     });
+    relay.callback.recent = relay_callback::RecentResults::new(cfg.recent_results);
     if let Some(g) = cfg.callback_grace_secs {
         relay.api.callback_grace = relay_shared::config::CallbackGrace::uniform(Duration::from_secs(g));
     }

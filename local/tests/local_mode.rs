@@ -135,7 +135,7 @@ fn serve_with(env: &[(&str, &str)]) -> std::process::Output {
 fn bad_config_and_a_taken_port_fail_fast_with_a_clear_message() {
     const REAL: (&str, &str) = ("CAPTCHAAI_API_KEY", "0123456789abcdef0123456789abcdef");
     const PUBLIC: (&str, &str) = ("RELAY_PUBLIC_URL", "https://relay.example");
-    let cases: [(&[(&str, &str)], &str); 7] = [
+    let cases: [(&[(&str, &str)], &str); 8] = [
         (&[("RELAY_BIND", "not-an-address")], "bind `not-an-address`"),
         (&[("CALLBACK_GRACE_SECS", "soon")], "CALLBACK_GRACE_SECS"),
         (&[("CALLBACK_GRACE_SECS", "1")], "at least 5"),
@@ -144,6 +144,7 @@ fn bad_config_and_a_taken_port_fail_fast_with_a_clear_message() {
         (&[REAL, PUBLIC, ("RELAY_API_KEY", "local-dev-key")], "RELAY_API_KEY) is a published example value"),
         (&[REAL, PUBLIC, ("CALLBACK_SIGNING_SECRET", "local-dev-signing-secret")], "published example value"),
         (&[("RELAY_API_KEY", "short")], "at least 16 characters"),
+        (&[("CALLBACK_RECENT_RESULTS", "lots")], "CALLBACK_RECENT_RESULTS must be a whole number"),
     ];
     for (env, needle) in cases {
         let out = serve_with(env);

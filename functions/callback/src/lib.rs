@@ -62,10 +62,12 @@ impl std::fmt::Debug for RecentResults {
     }
 }
 
+/// The default size of [`RecentResults`] (`CALLBACK_RECENT_RESULTS`): 4,096 entries, about 300 KB.
+pub const RECENT_RESULTS: usize = 4_096;
+
 impl Default for RecentResults {
-    /// 4,096 entries: about 300 KB.
     fn default() -> Self {
-        Self::new(4_096)
+        Self::new(RECENT_RESULTS)
     }
 }
 
@@ -118,7 +120,9 @@ impl Deps {
     /// Reads the configuration and secrets (once, at cold start).
     pub async fn from_env() -> anyhow::Result<Self> {
         use anyhow::Context;
-        let cfg = relay_shared::config::CallbackConfig::from_settings(&relay_shared::config::Settings::from_env())?;
+        let settings = relay_shared::config::Settings::from_env();
+        let cfg = relay_shared::config::CallbackConfig::from_settings(&settings)?;
+        let recent = RecentResults::new(settings.parse_or("CALLBACK_RECENT_RESULTS", RECENT_RESULTS)?);
         let aws = relay_shared::aws_config().await;
         let secret = relay_shared::secrets::SecretLoader::new(&aws)
             .load(&cfg.signing_secret)
@@ -129,7 +133,7 @@ impl Deps {
             signer: CallbackSigner::new(secret),
             clock: Arc::new(relay_shared::time::SystemClock),
             dead_letters: Arc::new(SqsQueue::new(aws_sdk_sqs::Client::new(&aws), cfg.dead_letter_queue_url)),
-            recent: RecentResults::default(),
+            recent,
         })
     }
 }
