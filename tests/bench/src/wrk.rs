@@ -363,8 +363,13 @@ async fn start_relay(
     dir: &Path,
     http: &reqwest::Client,
     release: &str,
+    cache: bool,
 ) -> anyhow::Result<(Target, RelayApi, Delivered)> {
     let port = free_port()?;
+    let name = if cache { "relay" } else { "relay, cache off" };
+    let dir = dir.join(if cache { "relay" } else { "relay-no-cache" });
+    std::fs::create_dir_all(&dir)?;
+    let dir = dir.as_path();
     let (api_key, secret) = (random_secret(), random_secret());
     let mut cmd = tokio::process::Command::new(&tools.relay_local);
     cmd.arg("serve")
@@ -372,6 +377,7 @@ async fn start_relay(
         .env("RELAY_DATA_DIR", dir.join("relay-data"))
         .env("RELAY_API_KEY", &api_key)
         .env("CALLBACK_SIGNING_SECRET", &secret)
+        .env("CALLBACK_RECENT_RESULTS", if cache { "4096" } else { "0" })
         .env_remove("CAPTCHAAI_API_KEY")
         .env_remove("RELAY_PUBLIC_URL")
         .env_remove("RUST_LOG");
@@ -415,11 +421,19 @@ async fn start_relay(
         "a repeated delivery to the relay answered {status} {body} (expected 200, duplicate)"
     );
     let target = Target {
-        name: "relay",
-        what: format!(
-            "`relay-local serve` ({release}): signed `/callback/{{ref}}/{{sig}}`, one DynamoDB conditional write \
-             (`UpdateItem`) on the embedded engine, persisted to SQLite"
-        ),
+        name,
+        what: if cache {
+            format!(
+                "`relay-local serve` ({release}) as deployed: signed `/callback/{{ref}}/{{sig}}`; a repeat of a result \
+                 this process stored is answered from its recent-results cache (the first delivery was one DynamoDB \
+                 conditional write on the embedded engine, persisted to SQLite)"
+            )
+        } else {
+            format!(
+                "the same with `CALLBACK_RECENT_RESULTS=0`: every delivery is one DynamoDB conditional write \
+                 (`UpdateItem`, refused for a duplicate) on the embedded engine, persisted to SQLite"
+            )
+        },
         durable: "yes",
         url: url.to_string(),
         proc,
@@ -645,15 +659,16 @@ pub async fn run(opts: &Opts) -> anyhow::Result<String> {
     let dir = TempDir::new("relay-bench-wrk")?;
     let http = reqwest::Client::builder().no_proxy().timeout(Duration::from_secs(10)).build()?;
 
-    let (relay, relay_api, result) = start_relay(&tools, &dir.0, &http, release).await?;
+    let (relay, relay_api, result) = start_relay(&tools, &dir.0, &http, release, true).await?;
+    let (relay_off, _, _) = start_relay(&tools, &dir.0, &http, release, false).await?;
     let dev = start_seed_dev(&tools, &dir.0, &http, &result).await?;
     let guni = start_seed_gunicorn(&tools, &dir.0, &http, &result, cores).await?;
     let db = LocalDynamo::start().await?;
     let (power, tasks_table) = start_powertools(&tools, &dir.0, &http, &db, &result, cores).await?;
-    let mut targets = vec![relay, dev, guni, power];
+    let mut targets = vec![relay, dev, guni, power, relay_off];
     // One first delivery each (the relay's was the fake's pingback): every loaded request is a
     // duplicate. For Powertools this also keeps the load clear of its in-progress window.
-    for t in &targets[1..] {
+    for t in &targets[1..4] {
         let body = first_delivery(&http, t).await?;
         ensure!(body.trim() == "OK", "{} answered the first delivery with `{body}`", t.name);
     }
@@ -680,11 +695,13 @@ pub async fn run(opts: &Opts) -> anyhow::Result<String> {
         order.rotate_left(1);
     }
     // Every duplicate must have been answered by the store, not parked as a dead letter (also a 200).
-    let relay_log = std::fs::read_to_string(&targets[0].proc.log).unwrap_or_default();
-    if let Some(line) =
-        relay_log.lines().find(|l| l.contains("dead_letter") || l.contains("not_stored") || l.contains("ERROR"))
-    {
-        bail!("the relay did not store every delivery under load: {line}");
+    for t in [&targets[0], &targets[4]] {
+        let relay_log = std::fs::read_to_string(&t.proc.log).unwrap_or_default();
+        if let Some(line) =
+            relay_log.lines().find(|l| l.contains("dead_letter") || l.contains("not_stored") || l.contains("ERROR"))
+        {
+            bail!("{} did not store every delivery under load: {line}", t.name);
+        }
     }
     // The relay without its store: the same load on a path it refuses before the write (403).
     eprintln!("  wrk: relay, wrong signature ({secs} s)");
@@ -751,17 +768,18 @@ fn render(targets: &[Target], runs: &[Vec<WrkRun>], extras: &Extras, opts: &Opts
     }
 
     // Relay against each other target, round by round (the same round's runs are neighbours).
-    let ratios = |other: usize| -> (Spread, Spread) {
-        let pairs = runs[0].iter().zip(&runs[other]);
+    let ratios = |base: usize, other: usize| -> (Spread, Spread) {
+        let pairs = runs[base].iter().zip(&runs[other]);
         let thr: Vec<f64> = pairs.clone().map(|(a, b)| a.requests_per_sec / b.requests_per_sec).collect();
         let p99: Vec<f64> = pairs.map(|(a, b)| a.p99_ms / b.p99_ms).collect();
         (Spread::of(&thr), Spread::of(&p99))
     };
     s += "\nThe relay against each (median of the per-round ratios, min–max over rounds):\n\n\
-          | relay vs | throughput (relay ÷ it) | p99 (relay ÷ it) | target | verdict |\n\
+          | pair | throughput (relay ÷ it) | p99 (relay ÷ it) | target | verdict |\n\
           | --- | --- | --- | --- | --- |\n";
-    for (i, t) in targets.iter().enumerate().skip(1) {
-        let (thr, p99) = ratios(i);
+    for (base, i) in [(0, 1), (0, 2), (0, 3), (4, 1), (4, 2), (4, 3)] {
+        let t = &targets[i];
+        let (thr, p99) = ratios(base, i);
         let (target, result) = match i {
             1 => (
                 format!("≥ {DEV_THROUGHPUT_TARGET:.0}× throughput, p99 ≤ 1/{:.0}", 1.0 / DEV_P99_TARGET),
@@ -777,7 +795,13 @@ fn render(targets: &[Target], runs: &[Vec<WrkRun>], extras: &Extras, opts: &Opts
             ),
             _ => ("none (for reference)".into(), "—".into()),
         };
-        s += &format!("| {} | {} | {} | {target} | {result} |\n", t.name, thr.show(2, "×"), p99.show(3, "×"));
+        s += &format!(
+            "| {} vs {} | {} | {} | {target} | {result} |\n",
+            targets[base].name,
+            t.name,
+            thr.show(2, "×"),
+            p99.show(3, "×")
+        );
     }
     if opts.quick {
         s += "\nSmoke run (`--quick`): one short round; the verdicts above are not meaningful.\n";
@@ -787,19 +811,23 @@ fn render(targets: &[Target], runs: &[Vec<WrkRun>], extras: &Extras, opts: &Opts
     }
     s += "\nWhat the figures are worth:\n\n\
 - **The relay is durable, the seed is not.** Each of the relay's callbacks is checked against its HMAC \
-  signature and decided by a DynamoDB conditional write on the embedded engine, persisted to a SQLite \
-  file: a restart loses nothing. The seed keeps results in a Python dict: a restart or a deploy loses \
+  signature; a result is stored by a DynamoDB conditional write on the embedded engine, persisted to a \
+  SQLite file, before the relay answers: a restart loses nothing. A repeat of a result the process has \
+  stored is answered from memory (`RecentResults`: SHA-256 keys, bounded), which can only ever answer \
+  `duplicate` for a delivery the store would not change; `relay, cache off` sends every repeat to the \
+  store as a refused conditional write. The seed keeps results in a Python dict: a restart or a deploy loses \
   every result (the tutorial says so itself), and under gunicorn each worker has its own dict, so a \
   duplicate is caught only when it reaches the worker that saw the first delivery (under this load \
   the other workers record it again as a \"first\").\n";
     s += &format!(
         "- **Where the relay's time goes.** The same relay, same load, with a wrong signature (refused with 403 \
          before the store is asked: HTTP, routing, the API Gateway request, the HMAC check, a warning logged): {:.0} req/s, p50 {}, \
-         p99 {}. The rest of each callback's cost is the conditional write's round trip to the engine (SDK, \
-         loopback HTTP, SQLite).\n",
+         p99 {}. Against `relay, cache off` ({:.0} req/s), the rest of each callback's cost there is the \
+         conditional write's round trip to the engine (SDK, loopback HTTP, SQLite).\n",
         bare.requests_per_sec,
         ms(bare.p50_ms),
-        ms(bare.p99_ms)
+        ms(bare.p99_ms),
+        percentile(&runs.get(4).map(|r| r.iter().map(|x| x.requests_per_sec).collect::<Vec<_>>()).unwrap_or_default(), 50.0),
     );
     s += &format!(
         "- **Powertools answers a duplicate that arrives while the first delivery is still in flight with a 500** \
