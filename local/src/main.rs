@@ -10,6 +10,12 @@ use std::path::PathBuf;
 use clap::{Parser, Subcommand};
 use relay_local::run::{LocalConfig, Options, start};
 
+/// mimalloc, not glibc's malloc: under load glibc's allocator took a quarter of local mode's CPU
+/// (perf, the bench's wrk part), the engine, SDK and HTTP stack allocating per request on every
+/// thread.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(name = "relay-local", about = "The captcha relay on one machine (no AWS, no Docker)")]
 struct Cli {
