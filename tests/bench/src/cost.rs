@@ -226,7 +226,10 @@ pub async fn run(opts: &Opts) -> anyhow::Result<String> {
     let kb = item_kb(raw.item().unwrap_or(&HashMap::new()));
     let small_kb = 0.4;
 
-    let stale = crate::poller::stale(if opts.quick { 40 } else { 1_000 }, false).await?;
+    let stale = match crate::poller::STALE_RUN.get() {
+        Some(run) => run.clone(),
+        None => crate::poller::stale(if opts.quick { 40 } else { 1_000 }, false).await?,
+    };
     let idle = idle_tick(&deployed).await?;
     Ok(render(&steps, kb, small_kb, &stale, &idle))
 }

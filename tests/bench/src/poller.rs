@@ -257,10 +257,14 @@ async fn fill_resolved(world: &World, n: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The deployed-settings stale run of this process's poller part, for the cost part to price.
+pub static STALE_RUN: std::sync::OnceLock<PollRun> = std::sync::OnceLock::new();
+
 pub async fn run(opts: &Opts) -> anyhow::Result<String> {
     let (stale_n, drains, beside) =
         if opts.quick { (60, vec![300], (300, 3_000)) } else { (1_000, vec![10_000, 100_000], (1_000, 1_000_000)) };
     let off = stale(stale_n, false).await?;
+    let _ = STALE_RUN.set(off.clone());
     let on = stale(stale_n, true).await?;
     let mut drained = Vec::new();
     for n in drains {

@@ -827,7 +827,10 @@ fn render(targets: &[Target], runs: &[Vec<WrkRun>], extras: &Extras, opts: &Opts
         bare.requests_per_sec,
         ms(bare.p50_ms),
         ms(bare.p99_ms),
-        percentile(&runs.get(4).map(|r| r.iter().map(|x| x.requests_per_sec).collect::<Vec<_>>()).unwrap_or_default(), 50.0),
+        percentile(
+            &runs.get(4).map(|r| r.iter().map(|x| x.requests_per_sec).collect::<Vec<_>>()).unwrap_or_default(),
+            50.0
+        ),
     );
     s += &format!(
         "- **Powertools answers a duplicate that arrives while the first delivery is still in flight with a 500** \

@@ -350,7 +350,8 @@ async fn handlers(auth: relay_shared::http::Authorizer) -> anyhow::Result<Handle
         dead_letters: dead_letters.clone(),
         submits_per_second: relay_api::SUBMITS_PER_SECOND,
     };
-    let callback = relay_callback::Deps { store: store.clone(), signer, clock, dead_letters, recent: Default::default() };
+    let callback =
+        relay_callback::Deps { store: store.clone(), signer, clock, dead_letters, recent: Default::default() };
     Ok(Handlers { _db: db, fake, store, api, callback, victims })
 }
 
