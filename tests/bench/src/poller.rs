@@ -46,6 +46,10 @@ pub struct PollRun {
     pub seed_res_php: Option<u64>,
     /// The most requests the seed's poller makes in one of its 30 s ticks.
     pub seed_peak_tick: u64,
+    /// Tokens that live 120 s (reCAPTCHA, hCaptcha) recovered by a read: their age at the read (s),
+    /// for this poller and for the seed's.
+    pub ages: Vec<f64>,
+    pub seed_ages: Vec<f64>,
     /// Whether the poller read with `ids=` (and the fake took it).
     pub batching: bool,
     /// Billed poller time (simulated ms, rounded up per invocation).
@@ -117,8 +121,19 @@ pub async fn stale(n: usize, batching: bool) -> anyhow::Result<PollRun> {
         .max()
         .unwrap_or(EPOCH)
         .since(EPOCH);
-    let (seed, peak) = seed_requests(&world);
-    (run.seed_res_php, run.seed_peak_tick) = (Some(seed), peak);
+    let (seed, peak, seed_ages) = seed_requests(&world);
+    (run.seed_res_php, run.seed_peak_tick, run.seed_ages) = (Some(seed), peak, seed_ages);
+    // This poller's: when it read each short-lived token, against when the fake solved it.
+    for o in world.owned().iter().filter(|o| o.kind.token_lifetime() == Some(Duration::from_secs(120))) {
+        let task = world.store.get(&o.task_ref).await?;
+        let solved = o.captcha_id.as_deref().and_then(|id| world.fake.task(id)).map(|t| t.solved_at);
+        if let (Some(relay_shared::domain::TaskState::Solved { resolved_at, via, .. }), Some(solved)) =
+            (task.map(|t| t.state), solved)
+            && via.as_str() == "poll"
+        {
+            run.ages.push(resolved_at.since(solved).as_secs_f64());
+        }
+    }
     run.wall = wall.elapsed();
     anyhow::ensure!(
         resolved(&world) >= n as u64,
@@ -131,10 +146,11 @@ pub async fn stale(n: usize, batching: bool) -> anyhow::Result<PollRun> {
 
 /// The seed tutorial's poller on the same tasks: every 30 s, one res.php request for each task
 /// pending for more than 120 s, until a read finds it solved (or failed). No budget, no deadline.
-fn seed_requests(world: &World) -> (u64, u64) {
+fn seed_requests(world: &World) -> (u64, u64, Vec<f64>) {
     let tick = 30_000u64;
     let epoch = EPOCH.as_millis();
     let mut per_tick: HashMap<u64, u64> = HashMap::new();
+    let mut ages = Vec::new();
     let total = world
         .fake
         .tasks()
@@ -148,10 +164,13 @@ fn seed_requests(world: &World) -> (u64, u64) {
             for k in 0..reads {
                 *per_tick.entry(first + k * tick).or_default() += 1;
             }
+            if matches!(t.method.as_str(), "userrecaptcha" | "hcaptcha") && t.answer.as_deref().is_some_and(|a| !a.starts_with("ERROR")) {
+                ages.push((first + (reads - 1) * tick).saturating_sub(solved) as f64 / 1000.0);
+            }
             reads
         })
         .sum();
-    (total, per_tick.values().copied().max().unwrap_or(0))
+    (total, per_tick.values().copied().max().unwrap_or(0), ages)
 }
 
 /// Creates `n` tasks, all due now and already solved at CaptchaAI (a callback outage's backlog),
@@ -313,6 +332,22 @@ fn render(
             r.seed_peak_tick,
         ));
     }
+    let fresh = |ages: &[f64]| {
+        let usable = ages.iter().filter(|a| **a <= 60.0).count();
+        format!(
+            "age at the read p50 {:.0} s, p95 {:.0} s; {} of {} read with ≥ 60 s of their 120 s left",
+            crate::stats::percentile(ages, 50.0),
+            crate::stats::percentile(ages, 95.0),
+            usable,
+            ages.len()
+        )
+    };
+    s.push_str(&format!(
+        "\n**Tokens still usable** (reCAPTCHA and hCaptcha live 120 s from the solve): this poller (deployed \
+         settings): {}. The seed's: {}.\n",
+        fresh(&off.ages),
+        fresh(&off.seed_ages)
+    ));
     s.push_str(
         "\nThe seed's poller (tutorial, pattern 1) reads every task pending more than 120 s, every 30 s, \
          one request each, with no rate limit, budget or deadline; its count is computed from the \
