@@ -164,7 +164,9 @@ fn seed_requests(world: &World) -> (u64, u64, Vec<f64>) {
             for k in 0..reads {
                 *per_tick.entry(first + k * tick).or_default() += 1;
             }
-            if matches!(t.method.as_str(), "userrecaptcha" | "hcaptcha") && t.answer.as_deref().is_some_and(|a| !a.starts_with("ERROR")) {
+            if matches!(t.method.as_str(), "userrecaptcha" | "hcaptcha")
+                && t.answer.as_deref().is_some_and(|a| !a.starts_with("ERROR"))
+            {
                 ages.push((first + (reads - 1) * tick).saturating_sub(solved) as f64 / 1000.0);
             }
             reads

@@ -429,10 +429,9 @@ async fn start_relay(
                  conditional write on the embedded engine, persisted to SQLite)"
             )
         } else {
-            format!(
-                "the same with `CALLBACK_RECENT_RESULTS=0`: every delivery is one DynamoDB conditional write \
-                 (`UpdateItem`, refused for a duplicate) on the embedded engine, persisted to SQLite"
-            )
+            "the same with `CALLBACK_RECENT_RESULTS=0`: every delivery is one DynamoDB conditional write \
+             (`UpdateItem`, refused for a duplicate) on the embedded engine, persisted to SQLite"
+                .to_owned()
         },
         durable: "yes",
         url: url.to_string(),
