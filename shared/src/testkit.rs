@@ -194,6 +194,11 @@ impl ApiGatewayEvent {
         self
     }
 
+    /// The event as API Gateway sends it to the Lambda Runtime API.
+    pub fn to_json(&self) -> String {
+        self.event.to_string()
+    }
+
     pub fn build(self) -> lambda_http::Request {
         lambda_http::request::from_str(&self.event.to_string()).unwrap_or_default()
     }

@@ -1,7 +1,464 @@
-//! Part `coldstart` of the bench.
+//! Part 3: cold start and footprint of each function, as Lambda starts it.
+//!
+//! Each release binary is started the way Lambda starts a `provided.al2023` function: with the
+//! Runtime API served by the bench on 127.0.0.1 (`AWS_LAMBDA_RUNTIME_API`), Lambda's own
+//! variables, and the function's environment as template.yaml deploys it — its secrets read from
+//! SSM parameters at init, its table and queues — all on moto. Measured: process start to its first
+//! `GET /next` (init), and to its answer to a first real event (init + first request: the first
+//! request pays for connection set-up); peak RSS (VmHWM) after that answer; binary and zip sizes.
+//! Against a minimal `lambda_runtime` function built the same way, and a Python Powertools
+//! handler started by a minimal custom-runtime loop.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::extract::State;
+use relay_shared::domain::{CaptchaId, CaptchaKind, Delivery, Outcome, Solution, Task, TaskRef, Via};
+use relay_shared::signing::CallbackSigner;
+use relay_shared::store::{TaskStore, schema};
+use relay_shared::testkit::{ApiGatewayEvent, client_for, sqs_client_for};
+use relay_shared::time::{Clock, SystemClock};
+use secrecy::SecretString;
 
 use crate::Opts;
+use crate::stats::Spread;
 
-pub async fn run(_opts: &Opts) -> anyhow::Result<String> {
-    anyhow::bail!("part `coldstart` is not written yet")
+const TARGET_RATIO: f64 = 2.0;
+const TARGET_RSS_MB: f64 = 30.0;
+const TARGET_ZIP_MB: f64 = 4.0;
+const SIGNING_SECRET: &str = "bench-cold-signing-secret-0123456789";
+
+/// What the Runtime API saw of one process.
+#[derive(Default)]
+struct Seen {
+    event: String,
+    served: bool,
+    next_at: Option<Instant>,
+    done_at: Option<Instant>,
+    /// (succeeded, body)
+    answer: Option<(bool, String)>,
+}
+
+type Shared = Arc<Mutex<Seen>>;
+
+async fn next(State(seen): State<Shared>) -> axum::response::Response {
+    let event = {
+        let Ok(mut s) = seen.lock() else { return axum::response::Response::default() };
+        if s.served {
+            None
+        } else {
+            s.served = true;
+            s.next_at = Some(Instant::now());
+            Some(s.event.clone())
+        }
+    };
+    let Some(event) = event else {
+        // One event per process: the next poll waits until the process is stopped.
+        std::future::pending::<()>().await;
+        return axum::response::Response::default();
+    };
+    let deadline = SystemClock.now().plus(Duration::from_secs(29)).as_millis();
+    axum::response::Response::builder()
+        .header("lambda-runtime-aws-request-id", "8476a536-e9f4-11e8-9739-2dfe598c3fcd")
+        .header("lambda-runtime-deadline-ms", deadline.to_string())
+        .header("lambda-runtime-invoked-function-arn", "arn:aws:lambda:us-east-1:123456789012:function:bench")
+        .header("lambda-runtime-trace-id", "Root=1-5bef4de7-ad49b0e87f6ef6c87fc2e700;Parent=9a9197af755a6419;Sampled=1")
+        .header("content-type", "application/json")
+        .body(axum::body::Body::from(event))
+        .unwrap_or_default()
+}
+
+fn answered(seen: &Shared, ok: bool, body: String) {
+    if let Ok(mut s) = seen.lock()
+        && s.answer.is_none()
+    {
+        s.done_at = Some(Instant::now());
+        s.answer = Some((ok, body));
+    }
+}
+
+/// Serves the Runtime API for one process on a free loopback port.
+async fn runtime_api(event: String) -> anyhow::Result<(String, Shared, tokio::sync::oneshot::Sender<()>)> {
+    use axum::routing::{get, post};
+    let seen: Shared = Arc::new(Mutex::new(Seen { event, ..Seen::default() }));
+    let app = axum::Router::new()
+        .route("/2018-06-01/runtime/invocation/next", get(next))
+        .route(
+            "/2018-06-01/runtime/invocation/{id}/response",
+            post(|State(s): State<Shared>, body: String| async move {
+                answered(&s, true, body);
+                axum::http::StatusCode::ACCEPTED
+            }),
+        )
+        .route(
+            "/2018-06-01/runtime/invocation/{id}/error",
+            post(|State(s): State<Shared>, body: String| async move {
+                answered(&s, false, body);
+                axum::http::StatusCode::ACCEPTED
+            }),
+        )
+        .route(
+            "/2018-06-01/runtime/init/error",
+            post(|State(s): State<Shared>, body: String| async move {
+                answered(&s, false, format!("init error: {body}"));
+                axum::http::StatusCode::ACCEPTED
+            }),
+        )
+        .with_state(seen.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?.to_string();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app)
+            .with_graceful_shutdown(async move {
+                let _ = rx.await;
+            })
+            .await;
+    });
+    Ok((addr, seen, tx))
+}
+
+/// One cold start.
+#[derive(Debug, Clone, Copy)]
+struct Start {
+    init_ms: f64,
+    first_ms: f64,
+    rss_mb: f64,
+}
+
+/// A function to start: its command and environment, and the event it gets.
+struct Function {
+    name: &'static str,
+    program: PathBuf,
+    args: Vec<String>,
+    env: Vec<(String, String)>,
+    event: String,
+    /// The answer's body must contain this.
+    expect: &'static str,
+}
+
+fn vm_hwm_mb(pid: u32) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1).and_then(|v| v.parse::<f64>().ok()))
+        })
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
+async fn start_once(f: &Function, log: &Path) -> anyhow::Result<Start> {
+    let (addr, seen, stop) = runtime_api(f.event.clone()).await?;
+    let out = std::fs::File::create(log)?;
+    let mut cmd = std::process::Command::new(&f.program);
+    cmd.args(&f.args)
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .envs(f.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .env("AWS_LAMBDA_RUNTIME_API", &addr)
+        .stdout(out.try_clone()?)
+        .stderr(out);
+    let t0 = Instant::now();
+    let mut child = cmd.spawn().map_err(|e| anyhow::anyhow!("starting {}: {e}", f.program.display()))?;
+    let pid = child.id();
+    let limit = t0 + Duration::from_secs(60);
+    let result = loop {
+        let done = seen.lock().ok().and_then(|s| s.answer.clone().map(|a| (a, s.next_at, s.done_at)));
+        if let Some(((ok, body), next_at, Some(done_at))) = done {
+            let rss_mb = vm_hwm_mb(pid);
+            break if !ok {
+                Err(anyhow::anyhow!("{} failed its first event: {body}", f.name))
+            } else if !body.contains(f.expect) {
+                Err(anyhow::anyhow!("{} answered `{body}`, expected it to contain `{}`", f.name, f.expect))
+            } else {
+                let ms = |t: Instant| t.duration_since(t0).as_secs_f64() * 1e3;
+                Ok(Start { init_ms: next_at.map_or(0.0, ms), first_ms: ms(done_at), rss_mb })
+            };
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            break Err(anyhow::anyhow!("{} exited ({status}) before answering; see {}", f.name, log.display()));
+        }
+        if Instant::now() > limit {
+            break Err(anyhow::anyhow!("{} did not answer within 60 s; see {}", f.name, log.display()));
+        }
+        tokio::time::sleep(Duration::from_micros(500)).await;
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    let _ = stop.send(());
+    result.map_err(|e| {
+        let tail = std::fs::read_to_string(log).unwrap_or_default();
+        let tail: String = tail.lines().rev().take(5).collect::<Vec<_>>().join("\n");
+        e.context(format!("last lines of its output:\n{tail}"))
+    })
+}
+
+/// Deflated zip of the binary as `bootstrap`, as `sam build` packs it: its size in MB.
+fn zip_mb(bin: &Path, dir: &Path) -> anyhow::Result<f64> {
+    let zip = dir.join(format!("{}.zip", bin.file_name().and_then(|n| n.to_str()).unwrap_or("bootstrap")));
+    let status = std::process::Command::new("python3")
+        .args([
+            "-c",
+            "import sys, zipfile\nwith zipfile.ZipFile(sys.argv[2], 'w', zipfile.ZIP_DEFLATED) as z: z.write(sys.argv[1], 'bootstrap')",
+        ])
+        .arg(bin)
+        .arg(&zip)
+        .status()?;
+    anyhow::ensure!(status.success(), "zipping {} failed", bin.display());
+    Ok(std::fs::metadata(&zip)?.len() as f64 / 1_048_576.0)
+}
+
+/// Table, queues, secrets and one open task on moto, as a deployed stack has them.
+struct Stack {
+    env: Vec<(String, String)>,
+    task: TaskRef,
+    captcha_id: CaptchaId,
+}
+
+async fn stack(moto: &str) -> anyhow::Result<Stack> {
+    let suffix = uuid::Uuid::new_v4().simple().to_string();
+    let table = format!("cold-{suffix}");
+    let client = client_for(moto);
+    schema::create_table(&client, &table).await?;
+    let sqs = sqs_client_for(moto);
+    let dlq = sqs.create_queue().queue_name(format!("cold-dl-{suffix}")).send().await?.queue_url.unwrap_or_default();
+    let poison =
+        sqs.create_queue().queue_name(format!("cold-poison-{suffix}")).send().await?.queue_url.unwrap_or_default();
+    let ssm = aws_sdk_ssm::Client::from_conf(
+        aws_sdk_ssm::Config::builder()
+            .behavior_version(aws_sdk_ssm::config::BehaviorVersion::latest())
+            .region(aws_sdk_ssm::config::Region::new("us-east-1"))
+            .credentials_provider(aws_sdk_ssm::config::Credentials::new("test", "test", None, None, "bench"))
+            .endpoint_url(moto)
+            .build(),
+    );
+    let (key_param, secret_param) =
+        (format!("/bench/{suffix}/captchaai-key"), format!("/bench/{suffix}/signing-secret"));
+    for (name, value) in [(&key_param, "0123456789abcdef0123456789abcdef"), (&secret_param, SIGNING_SECRET)] {
+        ssm.put_parameter()
+            .name(name)
+            .value(value)
+            .r#type(aws_sdk_ssm::types::ParameterType::SecureString)
+            .send()
+            .await?;
+    }
+    let store = TaskStore::new(client, table.clone(), Duration::from_secs(7 * 86_400));
+    let now = SystemClock.now();
+    let task = TaskRef::generate();
+    let captcha_id = CaptchaId::parse("81234567890")?;
+    store
+        .create(&Task::new(task.clone(), CaptchaKind::RecaptchaV2, now), now.plus(Duration::from_secs(600)), None)
+        .await?;
+    store.mark_submitted(&task, &captcha_id, now, now.plus(Duration::from_secs(120))).await?;
+    let env = [
+        ("AWS_REGION", "us-east-1".to_owned()),
+        ("AWS_DEFAULT_REGION", "us-east-1".to_owned()),
+        ("AWS_ACCESS_KEY_ID", "test".to_owned()),
+        ("AWS_SECRET_ACCESS_KEY", "test".to_owned()),
+        ("AWS_SESSION_TOKEN", "test".to_owned()),
+        ("AWS_ENDPOINT_URL", moto.to_owned()),
+        ("AWS_LAMBDA_FUNCTION_NAME", "bench".to_owned()),
+        ("AWS_LAMBDA_FUNCTION_MEMORY_SIZE", "256".to_owned()),
+        ("AWS_LAMBDA_FUNCTION_VERSION", "$LATEST".to_owned()),
+        ("AWS_LAMBDA_LOG_GROUP_NAME", "/aws/lambda/bench".to_owned()),
+        ("AWS_LAMBDA_LOG_STREAM_NAME", "2026/12/03/[$LATEST]bench".to_owned()),
+        ("TABLE_NAME", table),
+        ("RETENTION_DAYS", "7".to_owned()),
+        ("RUST_LOG", "info".to_owned()),
+        ("AUTH_MODE", "iam".to_owned()),
+        ("DEAD_LETTER_QUEUE_URL", dlq),
+        ("POISON_QUEUE_URL", poison),
+        ("CAPTCHAAI_API_KEY_PARAM", key_param),
+        ("CALLBACK_SIGNING_SECRET_PARAM", secret_param),
+        // Nothing is due, so the poller never calls it; never the internet either way.
+        ("CAPTCHAAI_BASE_URL", "http://127.0.0.1:9".to_owned()),
+    ];
+    Ok(Stack { env: env.into_iter().map(|(k, v)| (k.to_owned(), v)).collect(), task, captcha_id })
+}
+
+fn functions(opts: &Opts, s: &Stack) -> anyhow::Result<Vec<Function>> {
+    let bin = |name: &str| opts.bin_dir.join(name);
+    let signer = CallbackSigner::new(SecretString::from(SIGNING_SECRET.to_owned()));
+    let callback = ApiGatewayEvent::new("GET", &format!("/callback/{}/{}", s.task.as_ref(), signer.sign(&s.task)))
+        .query(&format!("id={}&code=03AGdBq2{}", s.captcha_id.as_ref(), "x".repeat(600)))
+        .to_json();
+    let api = ApiGatewayEvent::new("GET", &format!("/tasks/{}", s.task.as_ref())).iam_caller().to_json();
+    let letter = relay_shared::deadletter::DeadLetter::new(
+        &s.task,
+        &Delivery {
+            captcha_id: s.captcha_id.clone(),
+            outcome: Outcome::Solved(Solution::parse("03AGdBq2-redriven")?),
+            received_at: SystemClock.now(),
+            via: Via::Callback,
+            token_clock_start: relay_shared::time::Timestamp::from_millis(0),
+        },
+        "store unavailable",
+        1,
+    );
+    let sqs_event = serde_json::json!({ "Records": [{
+        "messageId": "059f36b4-87a3-44ab-83d2-661975830a7d",
+        "receiptHandle": "AQEBwJnKyrHigUMZj6rYigCgxlaS3SLy0a",
+        "body": letter.to_json(),
+        "attributes": { "ApproximateReceiveCount": "1", "SentTimestamp": "1545082649183",
+                        "SenderId": "AIDAIENQZJOLO23YVJ4VO", "ApproximateFirstReceiveTimestamp": "1545082649185" },
+        "messageAttributes": {},
+        "md5OfBody": "e4e68fb7bd0e697a0ae8f1bb342846b3",
+        "eventSource": "aws:sqs",
+        "eventSourceARN": "arn:aws:sqs:us-east-1:123456789012:dead-letters",
+        "awsRegion": "us-east-1"
+    }]})
+    .to_string();
+    let scheduler = include_str!("../../../functions/poller/tests/fixtures/scheduler-event.json").to_owned();
+    let f = |name, program: PathBuf, event: String, expect| Function {
+        name,
+        program,
+        args: Vec::new(),
+        env: s.env.clone(),
+        event,
+        expect,
+    };
+    Ok(vec![
+        f("hello (lambda_runtime, nothing else)", bin("bench-hello"), "{}".into(), "\"ok\":true"),
+        f("callback (a pingback: one conditional write)", bin("relay-callback"), callback, "recorded"),
+        f("api (GET /tasks/{ref})", bin("relay-api"), api, "\"statusCode\":200"),
+        f("poller (a scheduled tick, nothing due)", bin("relay-poller"), scheduler, "\"passes\""),
+        f("redrive (one dead letter)", bin("relay-redrive"), sqs_event, "batchItemFailures"),
+    ])
+}
+
+/// The Python handler of part 2 under a minimal custom-runtime loop, on moto's DynamoDB.
+async fn python(opts: &Opts, moto: &str) -> anyhow::Result<Option<Function>> {
+    let py = Opts::root().join(&opts.venv).join("bin/python");
+    if !py.exists() {
+        return Ok(None);
+    }
+    let client = client_for(moto);
+    let suffix = uuid::Uuid::new_v4().simple().to_string();
+    let (tasks, idem) = (format!("pt-tasks-{suffix}"), format!("pt-idem-{suffix}"));
+    for (table, key) in [(&tasks, "task_id"), (&idem, "id")] {
+        use aws_sdk_dynamodb::types::{
+            AttributeDefinition, BillingMode, KeySchemaElement, KeyType, ScalarAttributeType,
+        };
+        client
+            .create_table()
+            .table_name(table)
+            .billing_mode(BillingMode::PayPerRequest)
+            .attribute_definitions(
+                AttributeDefinition::builder().attribute_name(key).attribute_type(ScalarAttributeType::S).build()?,
+            )
+            .key_schema(KeySchemaElement::builder().attribute_name(key).key_type(KeyType::Hash).build()?)
+            .send()
+            .await?;
+    }
+    let event =
+        ApiGatewayEvent::new("GET", "/callback").query(&format!("id=81234567890&code=03AGdBq2{}", "x".repeat(600)));
+    let mut event: serde_json::Value = serde_json::from_str(&event.to_json())?;
+    event["queryStringParameters"] =
+        serde_json::json!({ "id": "81234567890", "code": format!("03AGdBq2{}", "x".repeat(600)) });
+    let env = [
+        ("AWS_REGION", "us-east-1".to_owned()),
+        ("AWS_DEFAULT_REGION", "us-east-1".to_owned()),
+        ("AWS_ACCESS_KEY_ID", "test".to_owned()),
+        ("AWS_SECRET_ACCESS_KEY", "test".to_owned()),
+        ("AWS_ENDPOINT_URL_DYNAMODB", moto.to_owned()),
+        ("AWS_LAMBDA_FUNCTION_NAME", "bench-python".to_owned()),
+        ("AWS_LAMBDA_FUNCTION_MEMORY_SIZE", "256".to_owned()),
+        ("TASKS_TABLE", tasks),
+        ("IDEMPOTENCY_TABLE", idem),
+        ("PYTHONDONTWRITEBYTECODE", "1".to_owned()),
+    ];
+    Ok(Some(Function {
+        name: "Python: Powertools idempotency + boto3 (part 2's handler)",
+        program: py,
+        args: vec![Opts::root().join("tests/bench/py/runtime_loop.py").to_string_lossy().into_owned()],
+        env: env.into_iter().map(|(k, v)| (k.to_owned(), v)).collect(),
+        event: event.to_string(),
+        expect: "\"statusCode\": 200",
+    }))
+}
+
+pub async fn run(opts: &Opts) -> anyhow::Result<String> {
+    let moto = opts.moto.clone().ok_or_else(|| anyhow::anyhow!("the cold-start part needs a moto server (--moto)"))?;
+    let repeats = if opts.quick { 1 } else { 7 };
+    let dir = Opts::root().join("target/bench-coldstart");
+    std::fs::create_dir_all(&dir)?;
+    let mut rows = Vec::new();
+    let mut all = Vec::new();
+    for repeat in 0..repeats {
+        // A fresh stack per repeat: every start finds its task open, as a cold start would.
+        let s = stack(&moto).await?;
+        let mut fs = functions(opts, &s)?;
+        if let Some(p) = python(opts, &moto).await? {
+            fs.push(p);
+        }
+        for (i, f) in fs.iter().enumerate() {
+            let log = dir.join(format!("{i}.log"));
+            let start = start_once(f, &log).await?;
+            if repeat == 0 {
+                all.push((f.name, f.program.clone(), f.args.is_empty(), Vec::new()));
+            }
+            all[i].3.push(start);
+        }
+    }
+    for (name, program, native, starts) in all {
+        let spread = |g: fn(&Start) -> f64| Spread::of(&starts.iter().map(g).collect::<Vec<_>>());
+        let (size, zip) = if native {
+            (std::fs::metadata(&program).map(|m| m.len() as f64 / 1_048_576.0).unwrap_or(0.0), zip_mb(&program, &dir)?)
+        } else {
+            (0.0, 0.0)
+        };
+        rows.push((name, native, spread(|s| s.init_ms), spread(|s| s.first_ms), spread(|s| s.rss_mb), size, zip));
+    }
+    Ok(render(&rows, repeats, opts))
+}
+
+type Row = (&'static str, bool, Spread, Spread, Spread, f64, f64);
+
+fn render(rows: &[Row], repeats: usize, opts: &Opts) -> String {
+    let hello = rows.first().map_or(1.0, |r| r.3.median.max(1e-9));
+    let python = rows.iter().find(|r| !r.1).map(|r| r.3.median);
+    let mut s = format!(
+        "## 3. Cold start and footprint\n\n\
+         Each function's {} binary (`{}`) started as Lambda starts it: the Runtime API served on \
+         loopback, Lambda's variables, the function's environment as template.yaml sets it, its \
+         secrets read from SSM parameters at init and its table and queues — all on moto. Init = \
+         process start to its first `GET /next`; first request = process start to its answer to a \
+         real first event (it pays for the connections). {repeats} start(s) each; medians (min–max). \
+         Targets: init + first request ≤ {TARGET_RATIO}× hello, peak RSS ≤ {TARGET_RSS_MB} MB, zip ≤ {TARGET_ZIP_MB} MB.\n\n\
+         | function | init | init + first request | ÷ hello | {} peak RSS | binary | zip | targets (time, RSS, zip) |\n\
+         | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
+        if opts.bin_dir.ends_with("release") { "release" } else { "debug" },
+        opts.bin_dir.display(),
+        if python.is_some() { "÷ Python |" } else { "" },
+    );
+    if python.is_none() {
+        s = s.replace(
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        );
+    }
+    for (i, (name, native, init, first, rss, size, zip)) in rows.iter().enumerate() {
+        let ratio = first.median / hello;
+        let verdict = if i == 0 || !native {
+            "—".to_owned()
+        } else {
+            let v = |ok: bool| if ok { "met" } else { "missed" };
+            format!("{}, {}, {}", v(ratio <= TARGET_RATIO), v(rss.median <= TARGET_RSS_MB), v(*zip <= TARGET_ZIP_MB))
+        };
+        let py = python.map(|p| format!(" {:.2}× |", first.median / p)).unwrap_or_default();
+        s.push_str(&format!(
+            "| {name} | {} | {} | {ratio:.1}× |{py} {} | {} | {} | {verdict} |\n",
+            init.show(1, " ms"),
+            first.show(1, " ms"),
+            rss.show(1, " MB"),
+            if *native { format!("{size:.1} MB") } else { "—".into() },
+            if *native { format!("{zip:.2} MB") } else { "—".into() },
+        ));
+    }
+    if python.is_none() {
+        s.push_str("\nThe Python row is missing: `.venv-bench` is not installed (`infra/tools.sh bench`).\n");
+    }
+    s
 }
