@@ -22,17 +22,11 @@ pub mod testkit;
 /// Builds the AWS SDK configuration once, at cold start. `AWS_ENDPOINT_URL_DYNAMODB` and
 /// friends point it at a local engine.
 pub async fn aws_config() -> aws_config::SdkConfig {
-    let loader = aws_config::defaults(aws_config::BehaviorVersion::latest());
-    match aws_http_client() {
-        Ok(client) => loader.http_client(client),
-        // Cannot happen with the embedded PEM (a test parses it); the SDK's default still works.
-        Err(e) => {
-            tracing::warn!(event = "tls_roots_unusable", error = %e, "using the system's root certificates");
-            loader
-        }
-    }
-    .load()
-    .await
+    aws_config::defaults(aws_config::BehaviorVersion::latest())
+        // The SDK crates are built without a default client: this is the only one.
+        .http_client(aws_http_client().expect("the embedded AWS roots parse (a unit test checks)"))
+        .load()
+        .await
 }
 
 /// The root certificates AWS service endpoints chain to (Amazon Trust Services).

@@ -103,6 +103,12 @@ fn config_for(endpoint: &str) -> aws_sdk_dynamodb::config::Builder {
         .region(Region::new("us-east-1"))
         .credentials_provider(Credentials::new("test", "test", None, None, "relay-testkit"))
         .endpoint_url(endpoint)
+        .http_client(test_http_client())
+}
+
+/// The functions' HTTP client (the SDK crates are built without a default one).
+pub fn test_http_client() -> aws_smithy_runtime_api::client::http::SharedHttpClient {
+    crate::aws_http_client().expect("the embedded AWS roots parse")
 }
 
 /// Counts the DynamoDB operations a client sends, by name (`Query`, `Scan`, `UpdateItem`…),
@@ -537,6 +543,7 @@ pub fn sqs_client_for(endpoint: &str) -> aws_sdk_sqs::Client {
         .region(aws_sdk_sqs::config::Region::new("us-east-1"))
         .credentials_provider(aws_sdk_sqs::config::Credentials::new("test", "test", None, None, "relay-testkit"))
         .endpoint_url(endpoint)
+        .http_client(test_http_client())
         .build();
     aws_sdk_sqs::Client::from_conf(conf)
 }

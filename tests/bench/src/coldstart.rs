@@ -232,6 +232,7 @@ async fn stack(moto: &str) -> anyhow::Result<Stack> {
             .region(aws_sdk_ssm::config::Region::new("us-east-1"))
             .credentials_provider(aws_sdk_ssm::config::Credentials::new("test", "test", None, None, "bench"))
             .endpoint_url(moto)
+            .http_client(relay_shared::testkit::test_http_client())
             .build(),
     );
     let (key_param, secret_param) =
