@@ -55,6 +55,10 @@ impl Relay {
                 submit_backoff: std::time::Duration::from_millis(200),
                 dead_letters: p.dead_letters.clone(),
                 submits_per_second: relay_api::SUBMITS_PER_SECOND,
+                // Local mode's API key is also a relay key for the 2captcha-compatible routes,
+                // beside any made with the operator command.
+                relay_keys: relay_shared::store::RelayKeys::new(Some(p.store.clone())).with_fixed("local", &p.api_key),
+                compat: relay_api::compat::CompatState::default(),
             },
             callback: relay_callback::Deps {
                 store: p.store,

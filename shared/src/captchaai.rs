@@ -59,9 +59,12 @@ pub enum SubmitRequest {
         #[serde(default)]
         data: Option<String>,
     },
-    /// A base64-encoded image.
+    /// A base64-encoded image, with optional hints for the solver (`numeric`, `min_len`, …:
+    /// [`IMAGE_HINTS`]), forwarded as they are.
     Image {
         body: String,
+        #[serde(default)]
+        hints: std::collections::BTreeMap<String, String>,
     },
 }
 
@@ -78,6 +81,10 @@ pub struct Browser {
     #[serde(default)]
     pub proxytype: Option<String>,
 }
+
+/// The in.php hints an image task may carry.
+pub const IMAGE_HINTS: [&str; 10] =
+    ["phrase", "regsense", "numeric", "calc", "min_len", "max_len", "language", "lang", "textinstructions", "case"];
 
 /// Largest base64 image accepted (CaptchaAI refuses images over 100 KiB; base64 adds a third).
 pub const MAX_IMAGE_BASE64: usize = 140 * 1024;
@@ -147,7 +154,13 @@ impl SubmitRequest {
                 check_text("sitekey", sitekey, 256)?;
                 check_pageurl(pageurl)
             }
-            Self::Image { body } => {
+            Self::Image { body, hints } => {
+                for (k, v) in hints {
+                    if !IMAGE_HINTS.contains(&k.as_str()) {
+                        return Err(ParseError(format!("image hint `{k}` is not one of {}", IMAGE_HINTS.join(", "))));
+                    }
+                    check_text(k, v, 256)?;
+                }
                 check_text("body", body, MAX_IMAGE_BASE64)?;
                 if !body.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'+' | b'/' | b'=' | b'\n' | b'\r')) {
                     return Err(ParseError("`body` must be base64".into()));
@@ -222,8 +235,13 @@ impl SubmitRequest {
                 push_opt(&mut f, "action", action);
                 push_opt(&mut f, "data", data);
             }
-            Self::Image { body } => {
+            Self::Image { body, hints } => {
                 f.extend([("method", "base64".into()), ("body", body.clone())]);
+                for (k, v) in hints {
+                    if let Some(name) = IMAGE_HINTS.iter().find(|h| **h == k.as_str()) {
+                        f.push((name, v.clone()));
+                    }
+                }
             }
         }
         f
@@ -461,14 +479,42 @@ impl CaptchaAiClient {
 
     /// `res.php?action=get&<name>=<value>&json=1`.
     async fn res_php_get(&self, name: &str, value: &str) -> Result<RawAnswer, CaptchaAiError> {
+        self.res_php(&[("action", "get"), (name, value)]).await
+    }
+
+    /// `res.php?key=…&<params>&json=1`.
+    async fn res_php(&self, params: &[(&str, &str)]) -> Result<RawAnswer, CaptchaAiError> {
+        let mut query: Vec<(&str, &str)> = vec![("key", self.key.expose_secret())];
+        query.extend_from_slice(params);
+        query.push(("json", "1"));
         let resp = self
             .http
             .get(format!("{}/res.php", self.base_url))
-            .query(&[("key", self.key.expose_secret()), ("action", "get"), (name, value), ("json", "1")])
+            .query(&query)
             .send()
             .await
             .map_err(CaptchaAiError::from_reqwest)?;
         self.read(resp).await
+    }
+
+    /// The account balance (`action=getbalance`), as CaptchaAI states it: a decimal number.
+    pub async fn balance(&self) -> Result<String, CaptchaAiError> {
+        match self.res_php(&[("action", "getbalance")]).await? {
+            RawAnswer::Ok(b) if b.trim().parse::<f64>().is_ok_and(f64::is_finite) => Ok(b.trim().to_owned()),
+            RawAnswer::Ok(other) => {
+                Err(CaptchaAiError::NotAnAnswer(format!("a balance that is not a number ({} bytes)", other.len())))
+            }
+            RawAnswer::Code(c) => Err(CaptchaAiError::Code(code(&c)?)),
+        }
+    }
+
+    /// Reports a solution good or bad (`action=reportgood` / `reportbad`). Returns CaptchaAI's
+    /// answer text (`OK_REPORT_RECORDED`, or a code such as `ERROR_DUPLICATE_REPORT`).
+    pub async fn report(&self, id: &CaptchaId, good: bool) -> Result<String, CaptchaAiError> {
+        let action = if good { "reportgood" } else { "reportbad" };
+        match self.res_php(&[("action", action), ("id", id.as_ref())]).await? {
+            RawAnswer::Ok(t) | RawAnswer::Code(t) => Ok(t),
+        }
     }
 }
 

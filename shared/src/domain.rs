@@ -43,6 +43,61 @@ impl TaskRef {
         Ok(Self(s.to_owned()))
     }
 
+    /// A new reference for a task submitted through the 2captcha-compatible `in.php`, with its
+    /// compat id: see [`TaskRef::from_compat_number`].
+    pub fn generate_compat() -> (Self, u64) {
+        let b = uuid::Uuid::new_v4().into_bytes();
+        let r = u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[8]]);
+        let id = Self::COMPAT_MIN + r % (i64::MAX as u64 - Self::COMPAT_MIN);
+        (Self::from_compat_number(id), id)
+    }
+
+    /// The compat reference for a digest (an idempotency key's): its first 8 bytes, folded into
+    /// the compat id range.
+    pub fn compat_from_digest(digest: &[u8]) -> (Self, u64) {
+        let mut b = [0u8; 8];
+        for (i, x) in digest.iter().take(8).enumerate() {
+            b[i] = *x;
+        }
+        let id = Self::COMPAT_MIN + u64::from_le_bytes(b) % (i64::MAX as u64 - Self::COMPAT_MIN);
+        (Self::from_compat_number(id), id)
+    }
+
+    /// Smallest compat id: every compat id has 18 or 19 digits and fits a signed 64-bit integer
+    /// (the id column of much existing 2captcha client code), and is a string of digits, which
+    /// every official SDK takes as it comes.
+    const COMPAT_MIN: u64 = 100_000_000_000_000_000;
+
+    /// The reference of compat id `id`: `tsk_` + 16 zeros + the id in 16 hex digits (one to one,
+    /// and never a generated reference, whose version nibble is not zero).
+    pub fn from_compat_number(id: u64) -> Self {
+        Self(format!("{}{:032x}", Self::PREFIX, u128::from(id)))
+    }
+
+    /// Parses a compat id as a client sends it (`id=` of `res.php`).
+    pub fn from_compat_id(s: &str) -> Result<Self, ParseError> {
+        let s = s.trim();
+        let bad = || ParseError("a task id is 18 or 19 digits".into());
+        if !(18..=19).contains(&s.len()) || !s.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(bad());
+        }
+        let id: u64 = s.parse().map_err(|_| bad())?;
+        if !(Self::COMPAT_MIN..=i64::MAX as u64).contains(&id) {
+            return Err(bad());
+        }
+        Ok(Self::from_compat_number(id))
+    }
+
+    /// The compat id of a task submitted through `in.php` (`None` for any other task).
+    pub fn compat_id(&self) -> Option<u64> {
+        let hex = self.0.strip_prefix(Self::PREFIX)?;
+        let (high, low) = hex.split_at(16);
+        if high.bytes().any(|b| b != b'0') {
+            return None;
+        }
+        u64::from_str_radix(low, 16).ok().filter(|id| (Self::COMPAT_MIN..=i64::MAX as u64).contains(id))
+    }
+
     /// A small stable number derived from the reference, used to spread the due-for-poll
     /// index over several partitions.
     pub fn shard(&self, shards: u8) -> u8 {
@@ -370,6 +425,9 @@ pub struct Task {
     /// From then on the result never changes; before, a different result *received* earlier
     /// than the recorded one replaces it (first received wins, not first stored).
     pub handed_out_at: Option<Timestamp>,
+    /// The owner's own callback URL (`pingback` of the 2captcha-compatible `in.php`): kept and
+    /// shown; pushing results to it is the outbound delivery's work.
+    pub owner_callback: Option<String>,
 }
 
 /// A transition that the current state does not allow.
@@ -412,6 +470,7 @@ impl Task {
             captcha_id: None,
             state: TaskState::Submitting { unknown: None },
             handed_out_at: None,
+            owner_callback: None,
         }
     }
 
@@ -570,6 +629,7 @@ impl Task {
             expires_at: None,
             late_result: None,
             submit_outcome: None,
+            callback_url: self.owner_callback.clone(),
         };
         match &self.state {
             TaskState::Submitting { unknown: None } => {}
@@ -679,11 +739,33 @@ pub struct TaskView {
     /// `unknown` while in.php's answer to the submit is not known (see `error_detail`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub submit_outcome: Option<&'static str>,
+    /// The owner's own callback URL, if the task was given one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub callback_url: Option<String>,
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn compat_ids_are_digits_that_map_one_to_one_onto_references() {
+        for _ in 0..1000 {
+            let (r, id) = TaskRef::generate_compat();
+            let text = id.to_string();
+            assert!((18..=19).contains(&text.len()) && i64::try_from(id).is_ok(), "{text}");
+            assert_eq!(TaskRef::parse(r.as_ref()), Ok(r.clone()), "a valid reference");
+            assert_eq!(r.compat_id(), Some(id));
+            assert_eq!(TaskRef::from_compat_id(&text), Ok(r));
+        }
+        assert_eq!(TaskRef::generate().compat_id(), None, "an API task has no compat id");
+        for bad in ["", "12", "99999999999999999", "9223372036854775808", "12345678901234567a", " 1e18"] {
+            assert!(TaskRef::from_compat_id(bad).is_err(), "{bad:?}");
+        }
+        let (a, _) = TaskRef::compat_from_digest(&[7; 32]);
+        assert_eq!(TaskRef::compat_from_digest(&[7; 32]).0, a, "stable");
+        assert!(a.compat_id().is_some());
+    }
 
     fn t(ms: u64) -> Timestamp {
         Timestamp::from_millis(ms)

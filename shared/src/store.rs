@@ -28,6 +28,9 @@ pub const DUE_INDEX: &str = "due-for-poll";
 /// The index is spread over this many partitions (`poll_shard` 0..N) so no key runs hot.
 pub const POLL_SHARDS: u8 = 4;
 
+pub mod relay_keys;
+pub use relay_keys::{KeyCheck, KeyInfo, RelayKeys};
+
 mod attr {
     pub const PK: &str = "pk";
     pub const KIND: &str = "kind";
@@ -54,6 +57,7 @@ mod attr {
     pub const LATE_VIA: &str = "late_via";
     pub const LATE_CLOCK: &str = "late_clock";
     pub const HANDED_OUT_AT: &str = "handed_out_at";
+    pub const OWNER_CALLBACK: &str = "owner_callback";
 }
 
 /// An open task as the due-for-poll index lists it, with the poller's bookkeeping.
@@ -334,7 +338,8 @@ impl TryFrom<&Item> for Task {
             other => return Err(StoreError::Corrupt(format!("unknown state `{other}`"))),
         };
         let handed_out_at = get_ts(item, HANDED_OUT_AT)?;
-        Ok(Task { task_ref, kind, created_at, captcha_id, state, handed_out_at })
+        let owner_callback = get_s(item, OWNER_CALLBACK)?.map(str::to_owned);
+        Ok(Task { task_ref, kind, created_at, captcha_id, state, handed_out_at, owner_callback })
     }
 }
 
@@ -420,6 +425,9 @@ impl TaskStore {
         .collect();
         if let Some(fp) = fingerprint {
             item.insert(IDEM_FINGERPRINT.to_owned(), s(fp));
+        }
+        if let Some(url) = &task.owner_callback {
+            item.insert(OWNER_CALLBACK.to_owned(), s(url));
         }
         let res = self
             .client

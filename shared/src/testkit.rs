@@ -191,6 +191,14 @@ impl ApiGatewayEvent {
         self
     }
 
+    /// A binary body, given base64-encoded, as API Gateway passes one (`isBase64Encoded`).
+    pub fn body_base64(mut self, b64: &str, decoded_len: usize) -> Self {
+        self.event["body"] = b64.into();
+        self.event["isBase64Encoded"] = true.into();
+        self.event["headers"]["content-length"] = decoded_len.to_string().into();
+        self
+    }
+
     /// Marks the request as signed with SigV4 and checked by API Gateway (IAM authorisation).
     pub fn iam_caller(mut self) -> Self {
         self.event["requestContext"]["authorizer"] = serde_json::json!({

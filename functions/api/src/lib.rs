@@ -13,6 +13,8 @@
 //! - never loses CaptchaAI's id: storing it is retried, and if that keeps failing it goes to
 //!   the dead-letter queue for the redrive function to store.
 
+pub mod compat;
+
 use std::sync::Arc;
 
 use std::time::Duration;
@@ -57,6 +59,10 @@ pub struct Deps {
     pub dead_letters: Arc<dyn DeadLetterSink>,
     /// In.php submits allowed per second, account-wide (CaptchaAI bans more than 60 in 3 s).
     pub submits_per_second: u32,
+    /// The keys the 2captcha-compatible routes (`/in.php`, `/res.php`) take.
+    pub relay_keys: relay_shared::store::RelayKeys,
+    /// Per-instance state of those routes (balance cache, per-key read limits).
+    pub compat: compat::CompatState,
 }
 
 /// The default of [`Deps::submits_per_second`]: 4 × 14 = 56 in any 3 s, under the 60 that earn
@@ -80,8 +86,11 @@ impl Deps {
                 Authorizer::api_key(&secrets.load(src).await.context("loading the relay API key")?)
             }
         };
+        let store = TaskStore::from_config(&aws, &cfg.store);
         Ok(Self {
-            store: TaskStore::from_config(&aws, &cfg.store),
+            relay_keys: relay_shared::store::RelayKeys::new(Some(store.clone())),
+            compat: compat::CompatState::default(),
+            store,
             captchaai: CaptchaAiClient::new(
                 &cfg.captchaai.base_url,
                 key,
@@ -109,6 +118,12 @@ pub async fn handle(req: Request, deps: &Deps) -> Result<Response<Body>, lambda_
 /// Routes and answers one request.
 pub async fn respond(req: Request, deps: &Deps) -> Response<Body> {
     let segs = path_segments(&req);
+    // The 2captcha-compatible front checks its own keys (SDKs cannot sign SigV4).
+    match segs.as_slice() {
+        [p] if p == "in.php" => return compat::in_php(&req, deps).await,
+        [p] if p == "res.php" => return compat::res_php(&req, deps).await,
+        _ => {}
+    }
     let route = match segs.as_slice() {
         [t] if t == "tasks" => Route::Tasks,
         [t, r] if t == "tasks" => Route::Task(r.clone()),
@@ -152,7 +167,7 @@ fn parse_submit(req: &Request) -> Result<(SubmitRequest, String), Response<Body>
 }
 
 /// The `Idempotency-Key` header, if any: 1 to 255 printable ASCII characters.
-fn idempotency_key(req: &Request) -> Result<Option<String>, Response<Body>> {
+pub(crate) fn idempotency_key(req: &Request) -> Result<Option<String>, Response<Body>> {
     let mut values = req.headers().get_all("idempotency-key").iter();
     let Some(v) = values.next() else { return Ok(None) };
     let bad = || {
@@ -215,72 +230,153 @@ fn replay(task: &Task, stored: Option<&str>, fingerprint: &str, now: Timestamp) 
 async fn submit(req: &Request, deps: &Deps) -> Result<Response<Body>, Response<Body>> {
     let (submit, fingerprint) = parse_submit(req)?;
     let idem = idempotency_key(req)?;
-    let kind = submit.kind();
-    let now = deps.clock.now();
     let task_ref = match &idem {
         Some(key) => deps.signer.idempotent_ref(&deps.auth.owner(req), key),
         None => TaskRef::generate(),
     };
-    let task = Task::new(task_ref.clone(), kind, now);
-    let span = tracing::info_span!("submit", task_ref = %task_ref, kind = %kind, idempotent = idem.is_some());
-    async move {
+    let input = SubmitInput { submit, fingerprint, keyed: idem.is_some(), task_ref, owner_callback: None };
+    Ok(match submit_task(req, deps, input).await {
+        Submitted::Accepted(task) => json(202, &task.view(deps.clock.now())),
+        Submitted::Replayed { task, stored, fingerprint } => {
+            replay(&task, stored.as_deref(), &fingerprint, deps.clock.now())
+        }
+        Submitted::BreakerOpen { until, reason } => unavailable(
+            "captchaai_unavailable",
+            format!(
+                "CaptchaAI traffic is stopped until {until} ({reason}); nothing was recorded or sent, trying again then is safe"
+            ),
+            until.since(deps.clock.now()),
+            true,
+        ),
+        Submitted::RateLimited => {
+            let body = serde_json::json!({ "error": { "code": "rate_limited", "retry_safe": true,
+                "message": "too many submits this second (CaptchaAI bans more than 60 in 3 s); nothing was sent, try again in a second" } });
+            with_header(json(429, &body), "retry-after", "1")
+        }
+        Submitted::Store(e) => store_unavailable(&e),
+        Submitted::Misconfigured => problem(500, "misconfigured", "the relay does not know its callback URL"),
+        Submitted::ResultChanging => result_changing(),
+        Submitted::Banned { code, until, duration } => unavailable(
+            &code,
+            format!(
+                "CaptchaAI answered {code}; traffic is stopped until {until}. Nothing was accepted: trying again then is safe"
+            ),
+            duration,
+            true,
+        ),
+        Submitted::Refused { code, class, message, task_ref } => json(
+            422,
+            &serde_json::json!({ "error": { "code": code, "message": message, "class": class.as_str(), "retry_safe": false }, "task_ref": task_ref }),
+        ),
+        Submitted::Transient { code, message, task_ref } => {
+            let mut resp =
+                unavailable(&code, message, Duration::from_secs(relay_shared::codes::retry_after_secs(&code)), true);
+            if let Ok(v) = http::HeaderValue::from_str(task_ref.as_ref()) {
+                resp.headers_mut().insert("x-task-ref", v);
+            }
+            resp
+        }
+    })
+}
 
+/// A submit, however it came (`POST /tasks` or the 2captcha-compatible `in.php`).
+pub(crate) struct SubmitInput {
+    pub submit: SubmitRequest,
+    /// Of the request, for idempotency checks.
+    pub fingerprint: String,
+    /// Whether `task_ref` was derived from an idempotency key.
+    pub keyed: bool,
+    pub task_ref: TaskRef,
+    pub owner_callback: Option<String>,
+}
+
+/// How a submit ended, for either front to answer in its own form.
+pub(crate) enum Submitted {
+    /// CaptchaAI has it (or may have it: an unknown outcome); the task as it now stands.
+    Accepted(Task),
+    /// The idempotency key was used before: that task, and the fingerprint it came with.
+    Replayed { task: Task, stored: Option<String>, fingerprint: String },
+    /// The account-wide breaker is open: nothing recorded or sent.
+    BreakerOpen { until: Timestamp, reason: String },
+    /// No in.php slot left this second: nothing recorded or sent.
+    RateLimited,
+    /// The store failed before anything was sent.
+    Store(relay_shared::store::StoreError),
+    /// The relay does not know its callback URL.
+    Misconfigured,
+    /// A replayed task's result is being replaced by one received earlier: read again.
+    ResultChanging,
+    /// In.php answered a ban: the breaker is open, nothing was accepted.
+    Banned { code: String, until: Timestamp, duration: Duration },
+    /// An explicit, final refusal: the task is failed with the code.
+    Refused { code: String, class: CodeClass, message: String, task_ref: TaskRef },
+    /// Refused for now (after the tries allowed): nothing was accepted, trying again is safe.
+    Transient { code: String, message: String, task_ref: TaskRef },
+}
+
+/// The submit itself: breaker, pacing, one conditional put, in.php (retried only after explicit
+/// refusals that invite it), then the id stored or dead-lettered.
+pub(crate) async fn submit_task(req: &Request, deps: &Deps, input: SubmitInput) -> Submitted {
+    let SubmitInput { submit, fingerprint, keyed, task_ref, owner_callback } = input;
+    let kind = submit.kind();
+    let now = deps.clock.now();
+    let task = Task { owner_callback, ..Task::new(task_ref.clone(), kind, now) };
+    let span = tracing::info_span!("submit", task_ref = %task_ref, kind = %kind, idempotent = keyed);
+    async move {
         // The account-wide breaker: while CaptchaAI bans us, sending more only extends the ban.
         match deps.store.breaker().await {
             Ok(b) => {
                 if let Some(until) = b.open_for_submits_at(now) {
-                    let reason = b.reason.unwrap_or_default();
                     metrics::counter!("submits", "outcome" => "breaker_open").increment(1);
-                    return Err(unavailable(
-                        "captchaai_unavailable",
-                        format!(
-                            "CaptchaAI traffic is stopped until {until} ({reason}); nothing was recorded or sent, trying again then is safe"
-                        ),
-                        until.since(now),
-                        true,
-                    ));
+                    return Submitted::BreakerOpen { until, reason: b.reason.unwrap_or_default() };
                 }
             }
-            Err(e) => return Err(store_unavailable(&e)),
+            Err(e) => return Submitted::Store(e),
         }
         // Paced account-wide, so a burst of submits never earns MAX_USER_TURN.
         match deps.store.take_submit_slot(now, deps.submits_per_second).await {
             Ok(true) => {}
             Ok(false) => {
                 metrics::counter!("submits", "outcome" => "rate_limited").increment(1);
-                let body = serde_json::json!({ "error": { "code": "rate_limited", "retry_safe": true,
-                    "message": "too many submits this second (CaptchaAI bans more than 60 in 3 s); nothing was sent, try again in a second" } });
-                return Err(with_header(json(429, &body), "retry-after", "1"));
+                return Submitted::RateLimited;
             }
-            Err(e) => return Err(store_unavailable(&e)),
+            Err(e) => return Submitted::Store(e),
         }
         // Recorded before in.php hears of it. If in.php's answer is never stored, the poller
         // expires the task at this deadline.
         let grace = deps.callback_grace.for_kind(kind);
         let deadline = now.plus(grace + kind.max_solve_time());
-        match deps.store.create(&task, deadline, idem.as_ref().map(|_| fingerprint.as_str())).await {
+        match deps.store.create(&task, deadline, keyed.then_some(fingerprint.as_str())).await {
             Ok(Created::New) => {}
             Ok(Created::Existing { task, fingerprint: stored }) => {
                 metrics::counter!("submits", "outcome" => "replayed").increment(1);
                 tracing::info!(event = "submit_replayed", state = task.state.name(), "idempotency key seen before");
-                let task = if stored.as_deref() == Some(fingerprint.as_str()) { pinned(task, deps).await? } else { task };
-                return Ok(replay(&task, stored.as_deref(), &fingerprint, deps.clock.now()));
+                let task = if stored.as_deref() == Some(fingerprint.as_str()) {
+                    match pin(task, deps).await {
+                        Ok(t) => t,
+                        Err(Pin::Store(e)) => return Submitted::Store(e),
+                        Err(Pin::Changing) => return Submitted::ResultChanging,
+                    }
+                } else {
+                    task
+                };
+                return Submitted::Replayed { task, stored, fingerprint };
             }
-            Err(e) => return Err(store_unavailable(&e)),
+            Err(e) => return Submitted::Store(e),
         }
         let Some(base) = callback_base(req, deps) else {
             tracing::error!(event = "config_error", "no CALLBACK_BASE_URL and no API domain in the request");
-            return Err(problem(500, "misconfigured", "the relay does not know its callback URL"));
+            return Submitted::Misconfigured;
         };
         let pingback = deps.signer.callback_url(&base, &task_ref);
         let mut attempt = 1;
         loop {
             let err = match deps.captchaai.submit(&submit, &pingback).await {
-                Ok(id) => return Ok(accepted(deps, &task, &id, grace, attempt).await),
+                Ok(id) => return Submitted::Accepted(accepted(deps, &task, &id, grace, attempt).await),
                 Err(e) => e,
             };
             if err.outcome_unknown() {
-                return Ok(outcome_unknown(deps, &task, &err).await);
+                return Submitted::Accepted(outcome_unknown(deps, &task, &err).await);
             }
             if let CaptchaAiError::Code(code) = &err
                 && let Some(b) = ban(code.as_ref())
@@ -295,15 +391,8 @@ async fn submit(req: &Request, deps: &Deps) -> Result<Response<Body>, Response<B
                 metrics::counter!("breaker_opened", "reason" => if b.needs_operator { "key_rejected" } else { "ban" })
                     .increment(1);
                 tracing::warn!(event = "breaker_opened", code = %code, until = %until, "in.php answered a ban; CaptchaAI traffic stopped");
-                refused(deps, &task_ref, &err, idem.is_some()).await;
-                return Err(unavailable(
-                    code.as_ref(),
-                    format!(
-                        "CaptchaAI answered {code}; traffic is stopped until {until}. Nothing was accepted: trying again then is safe"
-                    ),
-                    b.duration,
-                    true,
-                ));
+                refused(deps, &task_ref, &err, keyed).await;
+                return Submitted::Banned { code: code.as_ref().to_owned(), until, duration: b.duration };
             }
             let retry = matches!(err, CaptchaAiError::Connect(_))
                 || matches!(err.class(), CodeClass::Transient | CodeClass::Unknown | CodeClass::NotReady);
@@ -315,27 +404,19 @@ async fn submit(req: &Request, deps: &Deps) -> Result<Response<Body>, Response<B
                 continue;
             }
             // An explicit refusal (or a connection that never opened): nothing was accepted.
-            refused(deps, &task_ref, &err, idem.is_some()).await;
+            refused(deps, &task_ref, &err, keyed).await;
             let code = err.code();
-            return Err(if matches!(err.class(), CodeClass::Permanent | CodeClass::TerminalForTask) {
+            return if matches!(err.class(), CodeClass::Permanent | CodeClass::TerminalForTask) {
                 metrics::counter!("submits", "outcome" => "refused").increment(1);
-                json(
-                    422,
-                    &serde_json::json!({ "error": { "code": code, "message": format!("in.php refused the task: {err}"), "class": err.class().as_str(), "retry_safe": false }, "task_ref": task_ref }),
-                )
+                Submitted::Refused { code, class: err.class(), message: format!("in.php refused the task: {err}"), task_ref }
             } else {
                 metrics::counter!("submits", "outcome" => "transient").increment(1);
-                let mut resp = unavailable(
-                    &code,
-                    format!("in.php refused the task {attempt} times ({err}); nothing was accepted, trying again is safe"),
-                    Duration::from_secs(relay_shared::codes::retry_after_secs(&code)),
-                    true,
-                );
-                if let Ok(v) = http::HeaderValue::from_str(task_ref.as_ref()) {
-                    resp.headers_mut().insert("x-task-ref", v);
+                Submitted::Transient {
+                    code,
+                    message: format!("in.php refused the task {attempt} times ({err}); nothing was accepted, trying again is safe"),
+                    task_ref,
                 }
-                resp
-            });
+            };
         }
     }
     .instrument(span)
@@ -364,7 +445,7 @@ async fn refused(deps: &Deps, task_ref: &TaskRef, err: &CaptchaAiError, keyed: b
 
 /// In.php accepted the task under `id`: store the id (retrying), or keep it on the dead-letter
 /// queue. Either way the owner hears 202: CaptchaAI has the task and its pingback finds it.
-async fn accepted(deps: &Deps, task: &Task, id: &CaptchaId, grace: Duration, attempts: u32) -> Response<Body> {
+async fn accepted(deps: &Deps, task: &Task, id: &CaptchaId, grace: Duration, attempts: u32) -> Task {
     let at = deps.clock.now();
     let due = at.plus(grace);
     metrics::counter!("submits", "outcome" => "accepted").increment(1);
@@ -373,7 +454,7 @@ async fn accepted(deps: &Deps, task: &Task, id: &CaptchaId, grace: Duration, att
         match deps.store.mark_submitted(&task.task_ref, id, at, due).await {
             Ok(SubmitRecorded::Pending(t) | SubmitRecorded::AlreadyResolved(t)) => {
                 tracing::info!(event = "task_submitted", captcha_id = %id, attempts, "in.php accepted the task");
-                return json(202, &t.view(deps.clock.now()));
+                return t;
             }
             Err(e) => {
                 tracing::warn!(event = "store_failed", error = %e, attempt, "storing in.php's id failed");
@@ -398,11 +479,11 @@ async fn accepted(deps: &Deps, task: &Task, id: &CaptchaId, grace: Duration, att
             tracing::error!(event = "submitted_not_stored", captcha_id = %id, store_error = %err, queue_error = %q, "in.php's id could not be stored or queued");
         }
     }
-    json(202, &task.view(deps.clock.now()))
+    task.clone()
 }
 
 /// In.php's answer does not say whether it took the task: keep it `submitting`, marked so.
-async fn outcome_unknown(deps: &Deps, task: &Task, err: &CaptchaAiError) -> Response<Body> {
+async fn outcome_unknown(deps: &Deps, task: &Task, err: &CaptchaAiError) -> Task {
     let detail = format!(
         "in.php's answer was lost ({err}): CaptchaAI may have the task. Its pingback will record it; if none comes it \
          expires at its deadline. The relay does not submit it again; a client retry with the same Idempotency-Key is \
@@ -413,8 +494,7 @@ async fn outcome_unknown(deps: &Deps, task: &Task, err: &CaptchaAiError) -> Resp
     if let Err(e) = deps.store.mark_submit_unknown(&task.task_ref, &detail).await {
         tracing::error!(event = "store_failed", error = %e, "could not mark the submit unknown");
     }
-    let t = Task { state: TaskState::Submitting { unknown: Some(detail) }, ..task.clone() };
-    json(202, &t.view(deps.clock.now()))
+    Task { state: TaskState::Submitting { unknown: Some(detail) }, ..task.clone() }
 }
 
 /// The configured callback base, or this API's own URL as API Gateway reports it.
@@ -445,10 +525,17 @@ async fn get_task(raw: &str, deps: &Deps) -> Result<Response<Body>, Response<Bod
     }
 }
 
+/// Why a result could not be pinned.
+pub(crate) enum Pin {
+    Store(relay_shared::store::StoreError),
+    /// It kept changing (a result received earlier replacing it): the task as last read.
+    Changing,
+}
+
 /// The task to show its owner, its result pinned first if showing it hands one out: a result,
 /// once shown, never changes (before, one received earlier may still replace it). If the item
 /// changed since it was read, what it holds now is shown (and pinned) instead.
-async fn pinned(mut task: Task, deps: &Deps) -> Result<Task, Response<Body>> {
+pub(crate) async fn pin(mut task: Task, deps: &Deps) -> Result<Task, Pin> {
     // Each refusal means the item changed: a strictly earlier-received result, an earlier
     // receipt, or another read's pin. A few rounds settle it in practice.
     for _ in 0..5 {
@@ -459,15 +546,26 @@ async fn pinned(mut task: Task, deps: &Deps) -> Result<Task, Response<Body>> {
         match deps.store.mark_handed_out(&task, now).await {
             Ok(None) => return Ok(Task { handed_out_at: Some(now), ..task }),
             Ok(Some(current)) => task = current,
-            Err(e) => return Err(store_unavailable(&e)),
+            Err(e) => return Err(Pin::Store(e)),
         }
     }
-    Err(unavailable(
+    Err(Pin::Changing)
+}
+
+async fn pinned(task: Task, deps: &Deps) -> Result<Task, Response<Body>> {
+    pin(task, deps).await.map_err(|e| match e {
+        Pin::Store(e) => store_unavailable(&e),
+        Pin::Changing => result_changing(),
+    })
+}
+
+fn result_changing() -> Response<Body> {
+    unavailable(
         "result_changing",
         "the task's result is being replaced by one received earlier; reading again is safe",
         Duration::from_secs(1),
         true,
-    ))
+    )
 }
 
 #[cfg(test)]
@@ -479,7 +577,10 @@ mod tests {
     use relay_shared::time::{ManualClock, Timestamp};
     use secrecy::SecretString;
 
+    mod compat_front;
+
     const KEY: &str = "owner-api-key";
+    const COMPAT_KEY: &str = "0123456789abcdef0123456789abcdef";
 
     struct World {
         _db: LocalDynamo,
@@ -511,6 +612,9 @@ mod tests {
             submit_backoff: Duration::from_millis(5),
             dead_letters: Arc::new(relay_shared::testkit::MemorySink::default()),
             submits_per_second: SUBMITS_PER_SECOND,
+            relay_keys: relay_shared::store::RelayKeys::new(None)
+                .with_fixed("test", &SecretString::from(COMPAT_KEY.to_owned())),
+            compat: compat::CompatState::default(),
         };
         Ok(World { _db: db, fake, clock, deps })
     }

@@ -134,6 +134,8 @@ pub struct FakeConfig {
     pub ban_window_ms: u64,
     /// Fault windows on the clock.
     pub faults: Vec<Fault>,
+    /// What `action=getbalance` answers.
+    pub balance: String,
 }
 
 impl Default for FakeConfig {
@@ -159,6 +161,7 @@ impl Default for FakeConfig {
             enforce_bans: true,
             ban_window_ms: 86_400_000,
             faults: Vec::new(),
+            balance: "10.00".into(),
         }
     }
 }
@@ -193,6 +196,11 @@ pub struct Counts {
     pub accepted_then_failed: u64,
     /// Pingbacks sent with a different answer than the task's.
     pub conflicting_sent: u64,
+    /// `reportgood` / `reportbad` requests.
+    pub reports_good: u64,
+    pub reports_bad: u64,
+    /// `getbalance` requests.
+    pub balance_reads: u64,
 }
 
 /// One task the fake knows.
@@ -213,6 +221,8 @@ pub struct FakeTask {
     pub late: bool,
     /// res.php reads of this task (a batch read counts once per id).
     pub reads: u32,
+    /// The in.php parameters it came with (all but `key`).
+    pub params: std::collections::BTreeMap<String, String>,
     #[serde(skip)]
     result: String,
 }
@@ -424,6 +434,7 @@ impl FakeCaptchaAi {
                         pingbacks_planned: 0,
                         late: false,
                         reads: 0,
+                        params: std::collections::BTreeMap::new(),
                         result: token(seed, id),
                     },
                 );
@@ -759,6 +770,7 @@ async fn in_php(
                 pingbacks_planned: planned,
                 late,
                 reads: 0,
+                params: p.iter().filter(|(k, _)| k.as_str() != "key").map(|(k, v)| (k.clone(), v.clone())).collect(),
                 result,
             },
         );
@@ -833,8 +845,23 @@ async fn res_php(
     }
     match p.get("action").map(String::as_str) {
         Some("get") => {}
-        Some("getbalance") => return answer(json, true, "10.00".into()),
-        Some("reportbad" | "reportgood") => return answer(json, true, "OK_REPORT_RECORDED".into()),
+        Some("getbalance") => {
+            g.counts.balance_reads += 1;
+            return answer(json, true, g.config.balance.clone().into());
+        }
+        Some(r @ ("reportbad" | "reportgood")) => {
+            let known =
+                p.get("id").and_then(|id| id.trim().parse::<u64>().ok()).is_some_and(|id| g.tasks.contains_key(&id));
+            if !known {
+                return answer(json, false, "ERROR_WRONG_CAPTCHA_ID".into());
+            }
+            if r == "reportgood" {
+                g.counts.reports_good += 1;
+            } else {
+                g.counts.reports_bad += 1;
+            }
+            return answer(json, true, "OK_REPORT_RECORDED".into());
+        }
         _ => return answer(json, false, "ERROR_EMPTY_ACTION".into()),
     }
     if let Some(ids) = p.get("ids") {

@@ -349,6 +349,8 @@ async fn handlers(auth: relay_shared::http::Authorizer) -> anyhow::Result<Handle
         submit_backoff: Duration::from_millis(1),
         dead_letters: dead_letters.clone(),
         submits_per_second: relay_api::SUBMITS_PER_SECOND,
+        relay_keys: relay_shared::store::RelayKeys::new(None),
+        compat: relay_api::compat::CompatState::default(),
     };
     let callback =
         relay_callback::Deps { store: store.clone(), signer, clock, dead_letters, recent: Default::default() };

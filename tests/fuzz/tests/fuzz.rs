@@ -114,6 +114,8 @@ fn api() -> &'static ApiWorld {
                 submit_backoff: Duration::from_millis(1),
                 dead_letters: Arc::new(MemorySink::default()),
                 submits_per_second: 1_000_000,
+                relay_keys: relay_shared::store::RelayKeys::new(None),
+                compat: relay_api::compat::CompatState::default(),
             };
             ApiWorld { _db: db, _fake: fake, deps }
         })

@@ -1,0 +1,283 @@
+//! Relay keys: the `key` a 2captcha-style client sends to the compat routes (`/in.php`,
+//! `/res.php`). SDKs cannot sign SigV4, so these routes take a key, as 2captcha does: one or
+//! more named keys of the one owner of this deployment, kept in the task table as their SHA-256
+//! digests (`pk = relaykey#<hex digest>`), never as the key itself.
+//!
+//! A check is one GetItem by the digest of the key presented. No stored key's bytes are ever
+//! compared with the candidate's, so timing says nothing about a stored key (the one comparison
+//! left, against a fixed key of local mode, is constant time). Rotation without downtime: create
+//! a second key, move the clients, revoke the first; both work in between.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use aws_sdk_dynamodb::types::AttributeValue;
+use secrecy::{ExposeSecret, SecretString};
+use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq;
+
+use super::{StoreError, TaskStore, get_s, get_ts, n, s, sdk_error};
+use crate::time::Timestamp;
+
+const PREFIX: &str = "relaykey#";
+
+/// What a presented key is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyCheck {
+    /// A live key, by its name.
+    Valid(String),
+    /// Not shaped like a key at all (2captcha answers `ERROR_WRONG_USER_KEY`).
+    Malformed,
+    /// Shaped like one, but no live key has it (`ERROR_KEY_DOES_NOT_EXIST`).
+    Unknown,
+}
+
+/// A stored key as the operator sees it (never the key).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct KeyInfo {
+    pub name: String,
+    /// The key's SHA-256 in hex (what the table holds; safe to show, useless to replay).
+    pub digest: String,
+    pub created_at: Option<Timestamp>,
+    pub revoked_at: Option<Timestamp>,
+}
+
+/// Whether `key` is shaped like a relay key: 16 to 128 characters of `[A-Za-z0-9_-]`.
+pub fn well_formed(key: &str) -> bool {
+    (16..=128).contains(&key.len()) && key.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-'))
+}
+
+fn digest(key: &str) -> [u8; 32] {
+    Sha256::digest(key.as_bytes()).into()
+}
+
+/// Checks relay keys for the compat routes: fixed keys (local mode's API key) and the keys in
+/// the table, with answers kept for a while so a client polling every few seconds does not cost
+/// a read each time. A revoked key stops working within [`RelayKeys::CACHE_FOR`].
+#[derive(Clone)]
+pub struct RelayKeys {
+    store: Option<TaskStore>,
+    fixed: Vec<(String, [u8; 32])>,
+    cache: Arc<Mutex<HashMap<[u8; 32], (KeyCheck, Instant)>>>,
+}
+
+impl std::fmt::Debug for RelayKeys {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RelayKeys").field("fixed", &self.fixed.len()).finish_non_exhaustive()
+    }
+}
+
+impl RelayKeys {
+    /// How long a check's answer is reused.
+    pub const CACHE_FOR: Duration = Duration::from_secs(60);
+    /// Most answers kept (a flood of random keys must not grow memory without bound).
+    const CACHE_MAX: usize = 10_000;
+
+    /// Keys in `store`'s table (none: only fixed keys).
+    pub fn new(store: Option<TaskStore>) -> Self {
+        Self { store, fixed: Vec::new(), cache: Arc::default() }
+    }
+
+    /// Also accepts `key` under `name` (local mode's API key).
+    pub fn with_fixed(mut self, name: &str, key: &SecretString) -> Self {
+        self.fixed.push((name.to_owned(), digest(key.expose_secret())));
+        self
+    }
+
+    /// What `key` is. A store failure is an error (the caller answers "try again"), never
+    /// "unknown".
+    pub async fn check(&self, key: &str) -> Result<KeyCheck, StoreError> {
+        let key = key.trim();
+        if !well_formed(key) {
+            return Ok(KeyCheck::Malformed);
+        }
+        let d = digest(key);
+        for (name, want) in &self.fixed {
+            if bool::from(d.ct_eq(want)) {
+                return Ok(KeyCheck::Valid(name.clone()));
+            }
+        }
+        if let Some((hit, at)) = self.cache.lock().ok().and_then(|c| c.get(&d).cloned())
+            && at.elapsed() < Self::CACHE_FOR
+        {
+            return Ok(hit);
+        }
+        let Some(store) = &self.store else { return Ok(KeyCheck::Unknown) };
+        let out = store
+            .client
+            .get_item()
+            .table_name(&store.table)
+            .key(super::attr::PK, s(&format!("{PREFIX}{}", hex::encode(d))))
+            .send()
+            .await
+            .map_err(sdk_error)?;
+        let found = match out.item {
+            Some(item) if !item.contains_key("revoked_at") => {
+                KeyCheck::Valid(get_s(&item, "key_name")?.unwrap_or("unnamed").to_owned())
+            }
+            _ => KeyCheck::Unknown,
+        };
+        if let Ok(mut c) = self.cache.lock() {
+            if c.len() >= Self::CACHE_MAX {
+                c.retain(|_, (_, at)| at.elapsed() < Self::CACHE_FOR);
+                if c.len() >= Self::CACHE_MAX {
+                    c.clear();
+                }
+            }
+            c.insert(d, (found.clone(), Instant::now()));
+        }
+        Ok(found)
+    }
+}
+
+impl TaskStore {
+    /// Makes a new relay key named `name` (1–64 of `[A-Za-z0-9_.-]`) and stores its digest.
+    /// Returns the key: shown once, never stored. Names may repeat (rotation keeps one name).
+    pub async fn create_relay_key(&self, name: &str, now: Timestamp) -> Result<SecretString, StoreError> {
+        if name.is_empty()
+            || name.len() > 64
+            || !name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
+        {
+            return Err(StoreError::Rejected(format!(
+                "key name `{name}` must be 1 to 64 characters of letters, digits, `_`, `.` and `-`"
+            )));
+        }
+        // 32 lowercase hex digits, the shape of a 2captcha key (128 random bits).
+        let key = uuid::Uuid::new_v4().simple().to_string();
+        self.client
+            .put_item()
+            .table_name(&self.table)
+            .item(super::attr::PK, s(&format!("{PREFIX}{}", hex::encode(digest(&key)))))
+            .item("key_name", s(name))
+            .item("created_at", n(now.as_millis()))
+            .condition_expression("attribute_not_exists(pk)")
+            .send()
+            .await
+            .map_err(sdk_error)?;
+        Ok(SecretString::from(key))
+    }
+
+    /// Every relay key (live and revoked), oldest first. A scan: an operator command, not a
+    /// request path.
+    pub async fn list_relay_keys(&self) -> Result<Vec<KeyInfo>, StoreError> {
+        let mut out = Vec::new();
+        let mut start = None;
+        loop {
+            let page = self
+                .client
+                .scan()
+                .table_name(&self.table)
+                .filter_expression("begins_with(pk, :p)")
+                .expression_attribute_values(":p", s(PREFIX))
+                .set_exclusive_start_key(start)
+                .consistent_read(true)
+                .send()
+                .await
+                .map_err(sdk_error)?;
+            for item in page.items() {
+                let pk = get_s(item, super::attr::PK)?.unwrap_or_default();
+                out.push(KeyInfo {
+                    name: get_s(item, "key_name")?.unwrap_or("unnamed").to_owned(),
+                    digest: pk.trim_start_matches(PREFIX).to_owned(),
+                    created_at: get_ts(item, "created_at")?,
+                    revoked_at: get_ts(item, "revoked_at")?,
+                });
+            }
+            start = page.last_evaluated_key;
+            if start.is_none() {
+                break;
+            }
+        }
+        out.sort_by_key(|k| k.created_at);
+        Ok(out)
+    }
+
+    /// Revokes the live keys named `name` (or only the one whose digest starts with
+    /// `digest_prefix`). Returns how many were revoked. Running clients' cached checks lapse
+    /// within [`RelayKeys::CACHE_FOR`].
+    pub async fn revoke_relay_keys(
+        &self,
+        name: &str,
+        digest_prefix: Option<&str>,
+        now: Timestamp,
+    ) -> Result<usize, StoreError> {
+        let mut revoked = 0;
+        for k in self.list_relay_keys().await? {
+            if k.name != name || k.revoked_at.is_some() || digest_prefix.is_some_and(|p| !k.digest.starts_with(p)) {
+                continue;
+            }
+            self.client
+                .update_item()
+                .table_name(&self.table)
+                .key(super::attr::PK, AttributeValue::S(format!("{PREFIX}{}", k.digest)))
+                .update_expression("SET revoked_at = :now")
+                .condition_expression("attribute_exists(pk) AND attribute_not_exists(revoked_at)")
+                .expression_attribute_values(":now", n(now.as_millis()))
+                .send()
+                .await
+                .map_err(sdk_error)?;
+            revoked += 1;
+        }
+        Ok(revoked)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testkit::LocalDynamo;
+
+    #[tokio::test]
+    async fn keys_are_created_checked_rotated_and_revoked() -> anyhow::Result<()> {
+        let db = LocalDynamo::start().await?;
+        let store = db.fresh_store().await?;
+        let t = Timestamp::from_millis(1_796_210_146_000);
+        let old = store.create_relay_key("scraper", t).await?;
+        let new = store.create_relay_key("scraper", t.plus(Duration::from_secs(1))).await?;
+        assert_eq!(old.expose_secret().len(), 32);
+        assert_ne!(old.expose_secret(), new.expose_secret());
+        // Fresh checkers (no cache) see what the table holds.
+        let check = |k: &str| {
+            let keys = RelayKeys::new(Some(store.clone()));
+            let k = k.to_owned();
+            async move { keys.check(&k).await }
+        };
+        assert_eq!(check(old.expose_secret()).await?, KeyCheck::Valid("scraper".into()));
+        assert_eq!(check(new.expose_secret()).await?, KeyCheck::Valid("scraper".into()));
+        assert_eq!(check("0123456789abcdef0123456789abcdef").await?, KeyCheck::Unknown);
+        assert_eq!(check("short").await?, KeyCheck::Malformed);
+        assert_eq!(check("has spaces in it, 32 characters!").await?, KeyCheck::Malformed);
+        // The table holds digests, never a key.
+        let items = store.client.scan().table_name(store.table()).send().await?;
+        let dump = format!("{:?}", items.items());
+        assert!(!dump.contains(old.expose_secret()) && !dump.contains(new.expose_secret()));
+        // Rotation: revoke only the old one (by its digest prefix); the new one keeps working.
+        let listed = store.list_relay_keys().await?;
+        assert_eq!(listed.len(), 2);
+        let old_prefix = hex::encode(digest(old.expose_secret()))[..8].to_owned();
+        assert_eq!(store.revoke_relay_keys("scraper", Some(&old_prefix), t).await?, 1);
+        assert_eq!(check(old.expose_secret()).await?, KeyCheck::Unknown);
+        assert_eq!(check(new.expose_secret()).await?, KeyCheck::Valid("scraper".into()));
+        assert_eq!(store.revoke_relay_keys("scraper", None, t).await?, 1, "the remaining live one");
+        assert_eq!(check(new.expose_secret()).await?, KeyCheck::Unknown);
+        assert!(store.create_relay_key("bad name", t).await.is_err());
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn a_fixed_key_works_without_a_table_and_answers_are_cached() -> anyhow::Result<()> {
+        let db = LocalDynamo::start().await?;
+        let store = db.fresh_store().await?;
+        let fixed = SecretString::from("local-api-key-0123456789".to_owned());
+        let keys = RelayKeys::new(Some(store.clone())).with_fixed("local", &fixed);
+        assert_eq!(keys.check("local-api-key-0123456789").await?, KeyCheck::Valid("local".into()));
+        let k = store.create_relay_key("ci", Timestamp::from_millis(1)).await?;
+        assert_eq!(keys.check(k.expose_secret()).await?, KeyCheck::Valid("ci".into()));
+        store.revoke_relay_keys("ci", None, Timestamp::from_millis(2)).await?;
+        // Within CACHE_FOR the checker still has its answer: one read per key a minute.
+        assert_eq!(keys.check(k.expose_secret()).await?, KeyCheck::Valid("ci".into()));
+        assert_eq!(RelayKeys::new(None).check(k.expose_secret()).await?, KeyCheck::Unknown);
+        Ok(())
+    }
+}
