@@ -5,7 +5,11 @@
 //!   relay-ops redrive [--max N]          poison queue → dead-letter queue
 //!   relay-ops redrive-task <task-ref>    only that task's letters
 //!   relay-ops breaker show|close         the account-wide CaptchaAI breaker (TABLE_NAME)
+//!   relay-ops keys create <name>         a relay key for /in.php and /res.php, printed once (TABLE_NAME)
+//!   relay-ops keys list [--json]         names, digest prefixes, created, revoked (never a key)
+//!   relay-ops keys revoke <name> [--digest <prefix>]
 //!
+//! The table comes from `--table-name` / `TABLE_NAME` (the stack's `TasksTableName` output).
 //! Queues come from `--poison-queue-url` / `POISON_QUEUE_URL` and `--dead-letter-queue-url` /
 //! `DEAD_LETTER_QUEUE_URL`; AWS credentials and region as usual (`AWS_ENDPOINT_URL_SQS` for a
 //! local SQS).
@@ -18,14 +22,14 @@ use relay_shared::deadletter::SqsQueue;
 #[derive(Parser)]
 #[command(
     name = "relay-ops",
-    about = "Inspect and re-drive poisoned dead letters; look at and close the CaptchaAI breaker"
+    about = "Inspect and re-drive poisoned dead letters; look at and close the CaptchaAI breaker; manage relay keys"
 )]
 struct Cli {
     #[arg(long, env = "POISON_QUEUE_URL")]
     poison_queue_url: Option<String>,
     #[arg(long, env = "DEAD_LETTER_QUEUE_URL")]
     dead_letter_queue_url: Option<String>,
-    /// The task table (for `breaker`).
+    /// The task table (for `breaker` and `keys`): the stack's `TasksTableName` output.
     #[arg(long, env = "TABLE_NAME")]
     table_name: Option<String>,
     #[command(subcommand)]
@@ -38,6 +42,26 @@ enum BreakerCmd {
     Show,
     /// Lets traffic resume now (after fixing the key, or when a ban is known to be over).
     Close,
+}
+
+#[derive(Subcommand)]
+enum KeysCmd {
+    /// Make a relay key named <name>; prints the key alone on stdout, once (only its digest is
+    /// stored). `KEY=$(relay-ops keys create scraper)`.
+    Create { name: String },
+    /// Every key, live and revoked: name, first 12 hex digits of its digest, created, revoked.
+    List {
+        /// A JSON array instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Revoke the live keys named <name>, or only the one whose digest starts with --digest.
+    Revoke {
+        name: String,
+        /// At least 6 hex digits of the key's digest (as `keys list` shows it).
+        #[arg(long, value_name = "PREFIX")]
+        digest: Option<String>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -67,6 +91,47 @@ enum Cmd {
         #[command(subcommand)]
         cmd: BreakerCmd,
     },
+    /// Relay keys: the `key` 2captcha-style clients send to /in.php and /res.php.
+    Keys {
+        #[command(subcommand)]
+        cmd: KeysCmd,
+    },
+}
+
+fn task_store(aws: &aws_config::SdkConfig, table: Option<String>) -> anyhow::Result<relay_shared::store::TaskStore> {
+    let table = table
+        .filter(|t| !t.trim().is_empty())
+        .ok_or_else(|| anyhow::anyhow!("set --table-name or TABLE_NAME (the stack's TasksTableName output)"))?;
+    Ok(relay_shared::store::TaskStore::new(aws_sdk_dynamodb::Client::new(aws), table, Duration::from_secs(86_400)))
+}
+
+async fn keys(store: &relay_shared::store::TaskStore, cmd: KeysCmd) -> anyhow::Result<()> {
+    use relay_ops::keys;
+    use secrecy::ExposeSecret;
+    let now = relay_shared::time::Clock::now(&relay_shared::time::SystemClock);
+    match cmd {
+        KeysCmd::Create { name } => {
+            let made = keys::create(store, &name, now).await?;
+            // Only the key on stdout, so `KEY=$(relay-ops keys create scraper)` works.
+            println!("{}", made.key.expose_secret());
+            eprintln!("{}", made.hint(&name));
+        }
+        KeysCmd::List { json } => {
+            let rows = keys::list(store).await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&keys::render_json(&rows))?);
+            } else {
+                print!("{}", keys::render_table(&rows));
+                let live = rows.iter().filter(|r| r.revoked_at.is_none()).count();
+                eprintln!("{} relay key(s), {live} live", rows.len());
+            }
+        }
+        KeysCmd::Revoke { name, digest } => {
+            let n = keys::revoke(store, &name, digest.as_deref(), now).await?;
+            println!("{}", keys::revoked_message(n, &name));
+        }
+    }
+    Ok(())
 }
 
 fn print(s: &relay_ops::Shown) {
@@ -87,13 +152,12 @@ fn print(s: &relay_ops::Shown) {
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let aws = relay_shared::aws_config().await;
-    if let Cmd::Breaker { cmd } = &cli.cmd {
-        let table = cli.table_name.ok_or_else(|| anyhow::anyhow!("set --table-name or TABLE_NAME"))?;
-        let store = relay_shared::store::TaskStore::new(
-            aws_sdk_dynamodb::Client::new(&aws),
-            table,
-            Duration::from_secs(86_400),
-        );
+    let cmd = match cli.cmd {
+        Cmd::Keys { cmd } => return keys(&task_store(&aws, cli.table_name)?, cmd).await,
+        cmd => cmd,
+    };
+    if let Cmd::Breaker { cmd } = &cmd {
+        let store = task_store(&aws, cli.table_name)?;
         let now = relay_shared::time::Clock::now(&relay_shared::time::SystemClock);
         if matches!(cmd, BreakerCmd::Close) {
             store.close_breaker().await?;
@@ -122,8 +186,8 @@ async fn main() -> anyhow::Result<()> {
     };
     let poison = queue(cli.poison_queue_url, "poison-queue-url")?;
     let dlq = queue(cli.dead_letter_queue_url, "dead-letter-queue-url")?;
-    match cli.cmd {
-        Cmd::Breaker { .. } => {}
+    match cmd {
+        Cmd::Breaker { .. } | Cmd::Keys { .. } => {}
         Cmd::List { max, reveal } => {
             let msgs = relay_ops::list(&poison, max).await?;
             for m in &msgs {
@@ -159,4 +223,39 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, Parser};
+
+    use super::{Cli, Cmd, KeysCmd};
+
+    #[test]
+    fn the_command_line_is_well_formed() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn keys_subcommands_parse() -> anyhow::Result<()> {
+        let cli = Cli::try_parse_from(["relay-ops", "--table-name", "t", "keys", "create", "scraper"])?;
+        assert_eq!(cli.table_name.as_deref(), Some("t"));
+        assert!(matches!(cli.cmd, Cmd::Keys { cmd: KeysCmd::Create { name } } if name == "scraper"));
+        let cli = Cli::try_parse_from(["relay-ops", "keys", "list", "--json"])?;
+        assert!(matches!(cli.cmd, Cmd::Keys { cmd: KeysCmd::List { json: true } }));
+        let cli = Cli::try_parse_from(["relay-ops", "keys", "list"])?;
+        assert!(matches!(cli.cmd, Cmd::Keys { cmd: KeysCmd::List { json: false } }));
+        let cli = Cli::try_parse_from(["relay-ops", "keys", "revoke", "scraper"])?;
+        assert!(matches!(cli.cmd, Cmd::Keys { cmd: KeysCmd::Revoke { name, digest: None } } if name == "scraper"));
+        let cli = Cli::try_parse_from(["relay-ops", "keys", "revoke", "scraper", "--digest", "0a1b2c"])?;
+        assert!(
+            matches!(cli.cmd, Cmd::Keys { cmd: KeysCmd::Revoke { name, digest: Some(d) } } if name == "scraper" && d == "0a1b2c")
+        );
+        // A name is required; there is no way to pass a key in.
+        assert!(Cli::try_parse_from(["relay-ops", "keys", "create"]).is_err());
+        assert!(Cli::try_parse_from(["relay-ops", "keys", "revoke"]).is_err());
+        assert!(Cli::try_parse_from(["relay-ops", "keys", "revoke", "x", "--digest"]).is_err());
+        assert!(Cli::try_parse_from(["relay-ops", "keys", "list", "--key", "abc"]).is_err());
+        Ok(())
+    }
 }
