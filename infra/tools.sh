@@ -5,6 +5,9 @@
 # `infra/tools.sh bench`: what the performance bench needs on top — the `wrk` load generator
 # (apt-get, as root on Debian) and a venv at .venv-bench with the comparison apps' packages
 # (tests/bench/py/requirements.txt).
+# `infra/tools.sh sdk`: the official 2captcha clients the compatibility tests drive, unmodified —
+# 2captcha-python into .venv (infra/requirements-sdk.txt) and, where node is on the machine,
+# @2captcha/captcha-solver into tests/compat/node_modules (npm ci, tests/compat/package-lock.json).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$root/.venv"
@@ -13,6 +16,7 @@ stamped=("$root/infra/requirements-moto.txt")
 case "${1:-all}" in
   all) req="$root/infra/requirements-dev.txt" ;;
   moto) req="$root/infra/requirements-moto.txt" ;;
+  sdk) req="$root/infra/requirements-sdk.txt"; stamped=() ;;
   bench)
     if ! command -v wrk >/dev/null; then
       if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
@@ -28,7 +32,7 @@ case "${1:-all}" in
     req="$root/tests/bench/py/requirements.txt"
     stamped=()
     ;;
-  *) echo "usage: infra/tools.sh [all|moto|bench]" >&2; exit 2 ;;
+  *) echo "usage: infra/tools.sh [all|moto|sdk|bench]" >&2; exit 2 ;;
 esac
 command -v python3 >/dev/null || { echo "python3 (3.9 or later) is required" >&2; exit 1; }
 stamp="$venv/.installed-$(cat "$req" ${stamped[@]+"${stamped[@]}"} | sha256sum | cut -c1-16)-$(basename "$req" .txt)"
@@ -45,3 +49,19 @@ if [ ! -f "$stamp" ]; then
   fi
 fi
 command -v cargo >/dev/null || { echo "cargo is required (https://rustup.rs)" >&2; exit 1; }
+if [ "${1:-all}" = sdk ] || [ "${1:-all}" = all ]; then
+  compat="$root/tests/compat"
+  if command -v npm >/dev/null; then
+    nstamp="$compat/node_modules/.installed-$(sha256sum "$compat/package-lock.json" | cut -c1-16)"
+    if [ ! -f "$nstamp" ]; then
+      mkdir -p "$compat/node_modules"
+      exec 8>"$compat/node_modules/.lock"
+      flock 8
+      if [ ! -f "$nstamp" ]; then
+        echo "==> installing the pinned JavaScript 2captcha client (npm ci) into tests/compat" >&2
+        (cd "$compat" && npm ci --silent --no-audit --no-fund >&2)
+        mkdir -p "$compat/node_modules" && touch "$nstamp"
+      fi
+    fi
+  fi
+fi

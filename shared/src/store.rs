@@ -228,8 +228,9 @@ pub enum RecordOutcome {
     Late(Task),
 }
 
-/// What [`TaskStore::create`] found.
+/// What [`TaskStore::create`] found. (Returned once per submit: its size does not matter.)
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[allow(clippy::large_enum_variant)]
 pub enum Created {
     /// The task is new.
     New,

@@ -55,11 +55,14 @@ fn digest(key: &str) -> [u8; 32] {
 /// Checks relay keys for the compat routes: fixed keys (local mode's API key) and the keys in
 /// the table, with answers kept for a while so a client polling every few seconds does not cost
 /// a read each time. A revoked key stops working within [`RelayKeys::CACHE_FOR`].
+/// Check answers by key digest, with when they were read.
+type KeyCache = Arc<Mutex<HashMap<[u8; 32], (KeyCheck, Instant)>>>;
+
 #[derive(Clone)]
 pub struct RelayKeys {
     store: Option<TaskStore>,
     fixed: Vec<(String, [u8; 32])>,
-    cache: Arc<Mutex<HashMap<[u8; 32], (KeyCheck, Instant)>>>,
+    cache: KeyCache,
 }
 
 impl std::fmt::Debug for RelayKeys {
@@ -69,8 +72,10 @@ impl std::fmt::Debug for RelayKeys {
 }
 
 impl RelayKeys {
-    /// How long a check's answer is reused.
+    /// How long a live key's check is reused (so a revoked key stops working within it).
     pub const CACHE_FOR: Duration = Duration::from_secs(60);
+    /// How long an unknown key's check is reused (so a new key works within it).
+    pub const UNKNOWN_FOR: Duration = Duration::from_secs(5);
     /// Most answers kept (a flood of random keys must not grow memory without bound).
     const CACHE_MAX: usize = 10_000;
 
@@ -99,7 +104,7 @@ impl RelayKeys {
             }
         }
         if let Some((hit, at)) = self.cache.lock().ok().and_then(|c| c.get(&d).cloned())
-            && at.elapsed() < Self::CACHE_FOR
+            && at.elapsed() < if matches!(hit, KeyCheck::Valid(_)) { Self::CACHE_FOR } else { Self::UNKNOWN_FOR }
         {
             return Ok(hit);
         }

@@ -1,0 +1,51 @@
+// The official 2captcha JavaScript client (@2captcha/captcha-solver, pinned in package-lock.json),
+// unmodified, against the relay. The package has no `server` option (its hosts are constants),
+// so pointing it at the relay takes two lines on the instance: `in` and `res` below. Driven by
+// local/tests/sdk.rs. Environment: RELAY_BASE (https://host:port), RELAY_KEY, RELAY_IMAGE,
+// NODE_EXTRA_CA_CERTS (the relay's local CA). Prints one JSON object.
+const fs = require("fs");
+const { Solver } = require("@2captcha/captcha-solver");
+
+const base = process.env.RELAY_BASE;
+const solver = new Solver(process.env.RELAY_KEY);
+Object.defineProperty(solver, "in", { value: `${base}/in.php` });
+Object.defineProperty(solver, "res", { value: `${base}/res.php` });
+
+const page = "https://shop.example/login";
+const image = fs.readFileSync(process.env.RELAY_IMAGE, "base64");
+const jobs = {
+  recaptcha_v2: () => solver.recaptcha({ googlekey: "6LfD3PIbAAAAAJs_eEHvoOl75_83eXSqpPSRFJ_u", pageurl: page }),
+  recaptcha_v3: () => solver.recaptcha({ googlekey: "6LfB5_IbAAAAAMCtsjEHEHKqcB9iQocwwxTiihJu", pageurl: page, version: "v3", action: "verify", min_score: 0.7 }),
+  hcaptcha: () => solver.hcaptcha({ sitekey: "f7de0da3-3303-44e8-ab48-fa32ff8ccc7b", pageurl: page }),
+  turnstile: () => solver.cloudflareTurnstile({ sitekey: "0x4AAAAAAAVrOwQWPlm3Bnr5", pageurl: page }),
+  image: () => solver.imageCaptcha({ body: image, numeric: 1 }),
+};
+
+(async () => {
+  const out = { solved: {}, errors: {} };
+  await Promise.all(
+    Object.entries(jobs).map(async ([name, job]) => {
+      try {
+        const r = await job();
+        out.solved[name] = { id: String(r.id), code: r.data };
+      } catch (e) {
+        out.errors[name] = String(e && e.message ? e.message : e);
+      }
+    }),
+  );
+  out.balance = await solver.balance();
+  const some = out.solved.turnstile || Object.values(out.solved)[0];
+  if (some) {
+    out.report_good = await solver.goodReport(some.id);
+    out.report_bad = await solver.badReport(some.id);
+  }
+  try {
+    const wrong = new Solver("not-a-relay-key");
+    Object.defineProperty(wrong, "in", { value: `${base}/in.php` });
+    await wrong.cloudflareTurnstile({ sitekey: "0x4AAAAAAAVrOwQWPlm3Bnr5", pageurl: page });
+    out.wrong_key = "no exception";
+  } catch (e) {
+    out.wrong_key = String(e && e.message ? e.message : e);
+  }
+  process.stdout.write(JSON.stringify(out));
+})();
