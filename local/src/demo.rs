@@ -81,7 +81,7 @@ pub async fn run_demo(n: usize, data_dir: std::path::PathBuf, progress: bool) ->
         late_callback_ms: 8_000,
         ..FakeConfig::default()
     };
-    let relay = start(&cfg, Options { fake: Some(fake), flaky_store: true, redrive_every: None }).await?;
+    let relay = start(&cfg, Options { fake: Some(fake), flaky_store: true, ..Options::default() }).await?;
     let http = reqwest::Client::new();
     let bar = |len: usize, msg: &'static str| {
         let b = if progress { ProgressBar::new(len as u64) } else { ProgressBar::hidden() };

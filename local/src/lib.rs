@@ -5,6 +5,7 @@
 pub mod demo;
 pub mod queue;
 pub mod run;
+pub mod tls;
 
 use std::sync::Arc;
 

@@ -114,6 +114,17 @@ async fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
             println!("  POST {}/tasks   (Authorization: Bearer <API key>)", relay.base_url);
             println!("  GET  {}/tasks/{{ref}}", relay.base_url);
             println!("  GET  {}/health", relay.base_url);
+            if let (Some(url), Some(ca)) = (&relay.tls_url, &relay.ca_path) {
+                let (ca, server) = (ca.display(), url.trim_start_matches("https://"));
+                println!("  HTTPS: the same routes on {url}, certificate signed by the local CA {ca}");
+                println!("    (made on first start, kept across restarts; give clients that file)");
+                println!("    Python requests:  REQUESTS_CA_BUNDLE={ca}");
+                println!("    Node:             NODE_EXTRA_CA_CERTS={ca}");
+                println!("    curl:             curl --cacert {ca} {url}/health");
+                println!(
+                    "    2captcha SDKs:    server=\"{server}\" (with the CA above; they build https://<server>/in.php)"
+                );
+            }
             if relay.fake.is_some() {
                 println!(
                     "  CaptchaAI: the built-in fake (set CAPTCHAAI_API_KEY and RELAY_PUBLIC_URL for the real one)"

@@ -64,7 +64,7 @@ impl LocalConfig {
 }
 
 /// Writes a file only its owner can read.
-fn write_private(path: &std::path::Path, text: &str) -> anyhow::Result<()> {
+pub(crate) fn write_private(path: &std::path::Path, text: &str) -> anyhow::Result<()> {
     use std::io::Write;
     let mut opts = std::fs::OpenOptions::new();
     opts.write(true).create_new(true);
@@ -80,6 +80,13 @@ fn write_private(path: &std::path::Path, text: &str) -> anyhow::Result<()> {
 pub struct LocalConfig {
     /// Where the HTTP server listens (`RELAY_BIND`).
     pub bind: String,
+    /// Where the same routes are served over HTTPS (`RELAY_TLS_BIND`, e.g. 127.0.0.1:8443);
+    /// unset: no HTTPS. The certificate comes from a CA local mode makes and keeps in
+    /// `<data_dir>/tls/` (see [`crate::tls`]).
+    pub tls_bind: Option<String>,
+    /// Names the certificate covers besides localhost, 127.0.0.1 and ::1 (`RELAY_TLS_HOSTS`,
+    /// comma-separated).
+    pub tls_hosts: Vec<String>,
     /// Where the task table and the dead-letter queue are kept (`RELAY_DATA_DIR`).
     pub data_dir: PathBuf,
     /// Bearer key for `/tasks` (`RELAY_API_KEY`). Unset: a random one, kept in
@@ -108,6 +115,8 @@ impl Default for LocalConfig {
     fn default() -> Self {
         Self {
             bind: "127.0.0.1:8080".into(),
+            tls_bind: None,
+            tls_hosts: Vec::new(),
             data_dir: PathBuf::from("relay-data"),
             api_key: None,
             signing_secret: None,
@@ -137,6 +146,13 @@ impl LocalConfig {
         };
         if let Some(v) = env("RELAY_BIND") {
             c.bind = v;
+        }
+        if let Some(v) = env("RELAY_TLS_BIND") {
+            // Set but empty: HTTPS off.
+            c.tls_bind = Some(v.trim().to_owned()).filter(|b| !b.is_empty());
+        }
+        if let Some(v) = env("RELAY_TLS_HOSTS") {
+            c.tls_hosts = v.split(',').map(str::trim).filter(|h| !h.is_empty()).map(str::to_owned).collect();
         }
         if let Some(v) = env("RELAY_DATA_DIR") {
             c.data_dir = v.into();
@@ -173,9 +189,25 @@ impl LocalConfig {
     }
 
     fn check(&self) -> anyhow::Result<()> {
-        self.bind
+        let bind = self
+            .bind
             .parse::<SocketAddr>()
             .with_context(|| format!("bind `{}` is not an address like 127.0.0.1:8080", self.bind))?;
+        if let Some(tls_bind) = &self.tls_bind {
+            let addr = tls_bind.parse::<SocketAddr>().with_context(|| {
+                format!("tls_bind (RELAY_TLS_BIND) `{tls_bind}` is not an address like 127.0.0.1:8443")
+            })?;
+            if addr == bind && addr.port() != 0 {
+                bail!(
+                    "tls_bind (RELAY_TLS_BIND) `{tls_bind}` is also bind (RELAY_BIND): HTTPS needs a port of its own"
+                );
+            }
+        } else if !self.tls_hosts.is_empty() {
+            bail!("tls_hosts (RELAY_TLS_HOSTS) is set but tls_bind (RELAY_TLS_BIND) is not: set it to serve HTTPS");
+        }
+        for host in &self.tls_hosts {
+            crate::tls::check_host(host).context("tls_hosts (RELAY_TLS_HOSTS)")?;
+        }
         if self.captchaai_api_key.is_some() {
             // Anyone who has read the README knows these: with a real (paid) account behind the
             // relay they would let strangers submit tasks or forge pingbacks.
@@ -230,11 +262,17 @@ pub struct Options {
     pub flaky_store: bool,
     /// Redrive loop interval (default 500 ms).
     pub redrive_every: Option<Duration>,
+    /// How long a client gets for its TLS handshake (default [`crate::tls::HANDSHAKE_TIMEOUT`]).
+    pub tls_handshake_timeout: Option<Duration>,
 }
 
 /// A running local relay. [`Running::shutdown`] stops it gracefully.
 pub struct Running {
     pub base_url: String,
+    /// The HTTPS URL (`https://127.0.0.1:8443`) when `tls_bind` is set.
+    pub tls_url: Option<String>,
+    /// The CA certificate that signed the HTTPS port's certificate: what clients are given.
+    pub ca_path: Option<PathBuf>,
     pub store: TaskStore,
     pub queue: DiskQueue,
     pub fake: Option<FakeCaptchaAi>,
@@ -263,6 +301,19 @@ pub async fn start(cfg: &LocalConfig, opts: Options) -> anyhow::Result<Running> 
         .with_context(|| format!("cannot listen on {} (is another relay or program using that port?)", cfg.bind))?;
     let addr = listener.local_addr()?;
     let base_url = format!("http://{addr}");
+    let tls_listener = match &cfg.tls_bind {
+        Some(tls_bind) => {
+            let tls = crate::tls::load_or_create(&cfg.data_dir, &cfg.tls_hosts)?;
+            let tcp = tokio::net::TcpListener::bind(tls_bind).await.with_context(|| {
+                format!("cannot listen on {tls_bind} for HTTPS (is another relay or program using that port?)")
+            })?;
+            let timeout = opts.tls_handshake_timeout.unwrap_or(crate::tls::HANDSHAKE_TIMEOUT);
+            let listener = crate::tls::TlsListener::new(tcp, tls.config, timeout)?;
+            let url = format!("https://{}", axum::serve::Listener::local_addr(&listener)?);
+            Some((listener, url, tls.files.ca))
+        }
+        None => None,
+    };
 
     let db = LocalDynamo::start_at(&cfg.data_dir.join("tasks.sqlite")).await.context("opening the task store")?;
     let table = ensure_table(&db.endpoint).await?;
@@ -300,15 +351,32 @@ pub async fn start(cfg: &LocalConfig, opts: Options) -> anyhow::Result<Running> 
 
     let (stop, stop_rx) = tokio::sync::watch::channel(false);
     let mut workers = tokio::task::JoinSet::new();
+    let relay = Arc::new(relay);
     let mut rx = stop_rx.clone();
+    let plain_relay = relay.clone();
     workers.spawn(async move {
         let shutdown = async move {
             let _ = rx.wait_for(|s| *s).await;
         };
-        if let Err(e) = crate::serve(listener, Arc::new(relay), shutdown).await {
+        if let Err(e) = crate::serve(listener, plain_relay, shutdown).await {
             tracing::error!(event = "server_failed", error = %e);
         }
     });
+    let (tls_url, ca_path) = match tls_listener {
+        Some((listener, url, ca)) => {
+            let mut rx = stop_rx.clone();
+            workers.spawn(async move {
+                let shutdown = async move {
+                    let _ = rx.wait_for(|s| *s).await;
+                };
+                if let Err(e) = crate::tls::serve(listener, relay, shutdown).await {
+                    tracing::error!(event = "tls_server_failed", error = %e);
+                }
+            });
+            (Some(url), Some(ca))
+        }
+        None => (None, None),
+    };
     let settings = relay_poller::PollerSettings::default();
     let poller = relay_poller::Deps {
         store: store.clone(),
@@ -349,7 +417,19 @@ pub async fn start(cfg: &LocalConfig, opts: Options) -> anyhow::Result<Running> 
             }
         }
     });
-    Ok(Running { base_url, store, queue, fake, flaky, api_key: secrets.api_key, stop, workers, _db: db })
+    Ok(Running {
+        base_url,
+        tls_url,
+        ca_path,
+        store,
+        queue,
+        fake,
+        flaky,
+        api_key: secrets.api_key,
+        stop,
+        workers,
+        _db: db,
+    })
 }
 
 /// The poisoned dead letters of a local relay, one line each: the queue id and what the letter
