@@ -16,6 +16,7 @@ const image = fs.readFileSync(process.env.RELAY_IMAGE, "base64");
 const jobs = {
   recaptcha_v2: () => solver.recaptcha({ googlekey: "6LfD3PIbAAAAAJs_eEHvoOl75_83eXSqpPSRFJ_u", pageurl: page }),
   recaptcha_v3: () => solver.recaptcha({ googlekey: "6LfB5_IbAAAAAMCtsjEHEHKqcB9iQocwwxTiihJu", pageurl: page, version: "v3", action: "verify", min_score: 0.7 }),
+  recaptcha_enterprise: () => solver.recaptcha({ googlekey: "6Lf26sUnAAAAAIKLuWNYgRsFUfmI-3Lex3xT5N-s", pageurl: page, enterprise: 1 }),
   hcaptcha: () => solver.hcaptcha({ sitekey: "f7de0da3-3303-44e8-ab48-fa32ff8ccc7b", pageurl: page }),
   turnstile: () => solver.cloudflareTurnstile({ sitekey: "0x4AAAAAAAVrOwQWPlm3Bnr5", pageurl: page }),
   image: () => solver.imageCaptcha({ body: image, numeric: 1 }),
@@ -29,7 +30,8 @@ const jobs = {
         const r = await job();
         out.solved[name] = { id: String(r.id), code: r.data };
       } catch (e) {
-        out.errors[name] = String(e && e.message ? e.message : e);
+        // The SDK's APIError keeps the server's code in `err` and its own text in `message`.
+        out.errors[name] = `${e && e.name}: ${e && e.err ? e.err : e && e.message}`;
       }
     }),
   );
@@ -45,7 +47,7 @@ const jobs = {
     await wrong.cloudflareTurnstile({ sitekey: "0x4AAAAAAAVrOwQWPlm3Bnr5", pageurl: page });
     out.wrong_key = "no exception";
   } catch (e) {
-    out.wrong_key = String(e && e.message ? e.message : e);
+    out.wrong_key = `${e && e.name}: ${e && e.err ? e.err : e && e.message}`;
   }
   process.stdout.write(JSON.stringify(out));
 })();

@@ -4,7 +4,11 @@ now the relay. CAPTCHAAI_API_KEY holds a relay key. Driven by local/tests/sdk.rs
 
 The relay keeps the pingback URL on the task (pushing results to it is the outbound delivery's
 work), so here the tutorial's fallback poller collects every result — from the relay's table,
-never from CaptchaAI. Prints one JSON object: the results it collected and what was pending.
+never from CaptchaAI. Its first poll comes 120-150 s after the submit — longer than a reCAPTCHA
+token lives (120 s from the solve) — so a token older than that is answered
+ERROR_TOKEN_EXPIRED (which its code prints as "Task failed") where CaptchaAI would hand out a dead
+one. Prints its own lines, then one JSON object (the last line): the results it collected and
+what was still pending.
 """
 import os as _os
 
@@ -108,10 +112,11 @@ if __name__ == "__main__":
     ids = [submit_captcha("6LfD3PIbAAAAAJs_eEHvoOl75_83eXSqpPSRFJ_u", "https://shop.example/login",
                           "https://owner.example/captcha/callback") for _ in range(n)]
     deadline = time.time() + float(_os.environ.get("TUTORIAL_WAIT_SECS", "400"))
+    # Until its fallback poller has settled every task (a result, or a code it calls failed).
     while time.time() < deadline:
         with lock:
-            if all(i in results for i in ids):
+            if not pending_tasks:
                 break
         time.sleep(1)
     with lock:
-        json.dump({"submitted": ids, "results": dict(results), "pending": list(pending_tasks)}, sys.stdout)
+        print(json.dumps({"submitted": ids, "results": dict(results), "pending": list(pending_tasks)}))

@@ -65,6 +65,9 @@ pub struct Deps {
     pub compat: compat::CompatState,
 }
 
+/// How many seconds a submit over the account-wide pace waits for a slot before it is refused.
+pub const PACE_WAIT_SECONDS: u32 = 3;
+
 /// The default of [`Deps::submits_per_second`]: 4 × 14 = 56 in any 3 s, under the 60 that earn
 /// `MAX_USER_TURN`.
 pub const SUBMITS_PER_SECOND: u32 = 14;
@@ -250,7 +253,7 @@ async fn submit(req: &Request, deps: &Deps) -> Result<Response<Body>, Response<B
         ),
         Submitted::RateLimited => {
             let body = serde_json::json!({ "error": { "code": "rate_limited", "retry_safe": true,
-                "message": "too many submits this second (CaptchaAI bans more than 60 in 3 s); nothing was sent, try again in a second" } });
+                "message": "too many submits for the account-wide pace (CaptchaAI bans more than 60 in 3 s), even after waiting 3 s; nothing was sent, try again in a second" } });
             with_header(json(429, &body), "retry-after", "1")
         }
         Submitted::Store(e) => store_unavailable(&e),
@@ -333,14 +336,29 @@ pub(crate) async fn submit_task(req: &Request, deps: &Deps, input: SubmitInput) 
             }
             Err(e) => return Submitted::Store(e),
         }
-        // Paced account-wide, so a burst of submits never earns MAX_USER_TURN.
-        match deps.store.take_submit_slot(now, deps.submits_per_second).await {
-            Ok(true) => {}
-            Ok(false) => {
-                metrics::counter!("submits", "outcome" => "rate_limited").increment(1);
-                return Submitted::RateLimited;
+        // Paced account-wide, so a burst of submits never earns MAX_USER_TURN. A burst over the
+        // pace waits for the next seconds' slots (a client — an SDK above all — would only be
+        // told to come back), and is refused only after PACE_WAIT of waiting.
+        let mut waited = 0;
+        loop {
+            match deps.store.take_submit_slot(deps.clock.now(), deps.submits_per_second).await {
+                Ok(true) => break,
+                // (On a simulated clock the caller's own retry is the wait: real sleeps would
+                // not move it.)
+                Ok(false) if waited < PACE_WAIT_SECONDS && !deps.clock.is_simulated() => {
+                    waited += 1;
+                    let into_second = deps.clock.now().as_millis() % 1000;
+                    // To just past the next second, spread a little so waiters do not all arrive
+                    // at once.
+                    let spread = u64::from(task_ref.shard(16)) * 3;
+                    tokio::time::sleep(Duration::from_millis(1000 - into_second + spread)).await;
+                }
+                Ok(false) => {
+                    metrics::counter!("submits", "outcome" => "rate_limited").increment(1);
+                    return Submitted::RateLimited;
+                }
+                Err(e) => return Submitted::Store(e),
             }
-            Err(e) => return Submitted::Store(e),
         }
         // Recorded before in.php hears of it. If in.php's answer is never stored, the poller
         // expires the task at this deadline.

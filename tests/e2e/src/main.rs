@@ -224,6 +224,65 @@ struct Owned {
     done: bool,
 }
 
+/// The in.php form a 2captcha client sends for a kind (the relay key added by the caller).
+fn compat_form(kind: CaptchaKind) -> &'static str {
+    match kind {
+        CaptchaKind::RecaptchaV2 => "method=userrecaptcha&googlekey=6Le-sim&pageurl=https://shop.example/login",
+        CaptchaKind::RecaptchaV3 => {
+            "method=userrecaptcha&version=v3&action=login&googlekey=6Le-sim&pageurl=https://shop.example/login"
+        }
+        CaptchaKind::RecaptchaEnterprise => {
+            "method=userrecaptcha&enterprise=1&googlekey=6Le-sim&pageurl=https://shop.example/login"
+        }
+        CaptchaKind::Hcaptcha => "method=hcaptcha&sitekey=10000000-ffff&pageurl=https://shop.example/login",
+        CaptchaKind::Turnstile => "method=turnstile&sitekey=0x4AAA&pageurl=https://shop.example/login",
+        CaptchaKind::Image => {
+            "method=base64&body=iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAAAABJRU5ErkJggg%3D%3D"
+        }
+    }
+}
+
+/// Submits through the 2captcha-compatible `/in.php` with a relay key, as an SDK would (plus an
+/// idempotency key, so its retries are safe); returns the task's reference.
+async fn submit_compat(emu: &Emulator, cfg: &Config, n: usize, kind: CaptchaKind, key: &str) -> anyhow::Result<String> {
+    for _ in 0..200 {
+        let sent = emu
+            .http
+            .post(emu.url("relay-api", "/in.php"))
+            .header("content-type", "application/x-www-form-urlencoded")
+            .header("idempotency-key", format!("e2e-compat-{}-{n}", cfg.seed))
+            .body(format!("key={key}&{}", compat_form(kind)))
+            .timeout(Duration::from_secs(60))
+            .send()
+            .await;
+        let wait = match sent {
+            Ok(resp) => {
+                let status = resp.status().as_u16();
+                let text = resp.text().await.unwrap_or_default();
+                if let Some(id) = text.strip_prefix("OK|") {
+                    return Ok(relay_shared::domain::TaskRef::from_compat_id(id)?.to_string());
+                }
+                ensure!(
+                    status == 503 || text == "ERROR_NO_SLOT_AVAILABLE",
+                    "compat submit {n} answered {status}: {text}"
+                );
+                Duration::from_secs(2)
+            }
+            Err(_) => Duration::from_secs(2),
+        };
+        tokio::time::sleep(wait).await;
+    }
+    bail!("compat submit {n} never went through")
+}
+
+/// `res.php?action=get` for a task submitted through `/in.php`.
+async fn res_compat(emu: &Emulator, task_ref: &str, key: &str) -> anyhow::Result<String> {
+    let r = relay_shared::domain::TaskRef::parse(task_ref)?;
+    let id = r.compat_id().context("not a compat task")?;
+    let url = emu.url("relay-api", &format!("/res.php?key={key}&action=get&id={id}"));
+    Ok(emu.http.get(url).send().await?.text().await?)
+}
+
 /// Submits as a careful client does: an idempotency key; on a 429, or a 503 that says retrying
 /// is safe, again after `Retry-After` with the same key; on no answer, again after 2 s.
 async fn submit(emu: &Emulator, cfg: &Config, n: usize, kind: CaptchaKind) -> anyhow::Result<String> {
@@ -457,6 +516,11 @@ fn fake_config(cfg: &Config) -> FakeConfig {
 
 async fn scenario(cfg: &Config, p: &Parts<'_>, visibility: i32, table: &str, moto: &str) -> anyhow::Result<Report> {
     let t0 = Instant::now();
+    // A relay key, made as `relay-ops keys create` makes one, in the table the functions use.
+    let relay_key = relay_shared::store::TaskStore::new(client_for(moto), table, Duration::from_secs(7 * 86_400))
+        .create_relay_key("e2e", SystemClock.now())
+        .await?;
+    let relay_key = secrecy::ExposeSecret::expose_secret(&relay_key);
     let owned = std::sync::Arc::new(std::sync::Mutex::new(Vec::<Owned>::with_capacity(cfg.tasks)));
     let stop = std::sync::atomic::AtomicBool::new(false);
     let schedule: Value =
@@ -484,7 +548,12 @@ async fn scenario(cfg: &Config, p: &Parts<'_>, visibility: i32, table: &str, mot
                 p.flaky.set_failing_matching(None);
             }
             let kind = CaptchaKind::ALL[n % CaptchaKind::ALL.len()];
-            let task_ref = submit(p.emu, cfg, n, kind).await?;
+            // Every fourth task as a 2captcha SDK submits it: `/in.php` with a relay key.
+            let task_ref = if n % 4 == 3 {
+                submit_compat(p.emu, cfg, n, kind, relay_key).await?
+            } else {
+                submit(p.emu, cfg, n, kind).await?
+            };
             if let Ok(mut o) = owned.lock() {
                 o.push(Owned { kind, task_ref, handed_out: None, done: false });
             }
@@ -597,6 +666,7 @@ async fn scenario(cfg: &Config, p: &Parts<'_>, visibility: i32, table: &str, mot
         &drained,
         poisoned.len(),
         t0,
+        relay_key,
     )
     .await
 }
@@ -612,8 +682,10 @@ async fn check(
     drained: &std::sync::atomic::AtomicUsize,
     poisoned: usize,
     t0: Instant,
+    relay_key: &str,
 ) -> anyhow::Result<Report> {
     use relay_shared::domain::{Outcome, TaskRef, TaskState};
+    let (mut compat_tasks, mut compat_disagree) = (0usize, Vec::new());
     let store = relay_shared::store::TaskStore::new(client_for(moto), table, Duration::from_secs(7 * 86_400));
     let fake_tasks: HashMap<String, fake_captchaai::FakeTask> =
         p.fake.tasks().into_iter().map(|t| (t.id.to_string(), t)).collect();
@@ -650,6 +722,28 @@ async fn check(
         if !task.state.is_final() {
             open += 1;
         }
+        // A task submitted through /in.php: res.php says what GET /tasks says (a token only
+        // while fresh).
+        if task.task_ref.compat_id().is_some() {
+            compat_tasks += 1;
+            let said = res_compat(p.emu, &o.task_ref, relay_key).await?;
+            let now = SystemClock.now();
+            let agrees = match &task.state {
+                TaskState::Solved { solution, .. } => match task.solution_expires_at() {
+                    Some(e) if now.plus(Duration::from_secs(2)) >= e => {
+                        said == "ERROR_TOKEN_EXPIRED" || (now < e && said == format!("OK|{}", solution.expose()))
+                    }
+                    _ => said == format!("OK|{}", solution.expose()),
+                },
+                TaskState::Failed { code, .. } => said == code.as_ref(),
+                TaskState::Expired { late: None, .. } => said == "ERROR_CAPTCHA_UNSOLVABLE",
+                TaskState::Expired { late: Some(_), .. } => said.starts_with("OK|") || said.starts_with("ERROR_"),
+                _ => false,
+            };
+            if !agrees {
+                compat_disagree.push(format!("{}: {} vs {said}", o.task_ref, task.state.name()));
+            }
+        }
         if let (Some((at, token, via)), Some(ft)) = (&o.handed_out, ft) {
             let age = at.since(ft.solved_at);
             let lifetime = o.kind.token_lifetime();
@@ -681,6 +775,10 @@ async fn check(
     };
     let rows: Vec<(&str, String)> = vec![
         ("tasks", owned.len().to_string()),
+        (
+            "of them through /in.php (res.php agrees)",
+            format!("{compat_tasks} ({})", compat_tasks - compat_disagree.len()),
+        ),
         (
             "by callback / poll / redrive",
             format!(
@@ -733,6 +831,10 @@ async fn check(
     need(lost.is_empty(), format!("lost = {} (e.g. {:?})", lost.len(), lost.iter().take(3).collect::<Vec<_>>()));
     need(double_applied == 0, format!("double-applied = {double_applied}"));
     need(double_paid == 0, format!("double-paid = {double_paid}"));
+    need(
+        compat_tasks > 0 && compat_disagree.is_empty(),
+        format!("{compat_tasks} compat tasks, res.php disagrees: {compat_disagree:?}"),
+    );
     need(
         counts.tasks_accepted == cfg.tasks as u64,
         format!("{} tasks accepted for {}", counts.tasks_accepted, cfg.tasks),
