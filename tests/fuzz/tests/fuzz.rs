@@ -114,7 +114,8 @@ fn api() -> &'static ApiWorld {
                 submit_backoff: Duration::from_millis(1),
                 dead_letters: Arc::new(MemorySink::default()),
                 submits_per_second: 1_000_000,
-                relay_keys: relay_shared::store::RelayKeys::new(None),
+                relay_keys: relay_shared::store::RelayKeys::new(None)
+                    .with_fixed("fuzz", &SecretString::from(COMPAT_KEY.to_owned())),
                 compat: relay_api::compat::CompatState::default(),
             };
             ApiWorld { _db: db, _fake: fake, deps }
@@ -145,6 +146,52 @@ proptest! {
         let v: serde_json::Value = serde_json::from_slice(resp.body().as_ref()).unwrap_or_default();
         if status >= 400 {
             prop_assert!(v["error"]["code"].is_string() && v["error"]["message"].is_string(), "a clear error: {v}");
+        }
+    }
+}
+
+/// The relay key the compat seeds carry.
+const COMPAT_KEY: &str = "fuzzcompatkey0123456789abcdef0123";
+
+proptest! {
+    #![proptest_config(config("compat", 3_000))]
+
+    /// `/in.php` and `/res.php` as any client (or attacker) may call them: a request line, a
+    /// content type and a body (seeds in `corpus/compat/`). Never a panic, never a 5xx; every
+    /// answer is one of the protocol's forms.
+    #[test]
+    fn any_2captcha_compatible_request_gets_a_protocol_answer_never_a_5xx(raw in inputs("compat")) {
+        let w = api();
+        let mut lines = raw.splitn(3, '\n');
+        let line = lines.next().unwrap_or_default();
+        let ctype = lines.next().unwrap_or_default();
+        let body = lines.next().unwrap_or_default();
+        let (method, target) = line.split_once(' ').unwrap_or(("POST", line));
+        let method = if method == "GET" { "GET" } else { "POST" };
+        let target = uri_safe(target);
+        let (path, query) = target.split_once('?').unwrap_or((&target, ""));
+        let path = if path.contains("res") { "/res.php" } else { "/in.php" };
+        let mut ev = ApiGatewayEvent::new(method, path).query(query).body(body);
+        if !ctype.is_empty() && ctype.bytes().all(|b| (0x20..0x7f).contains(&b)) {
+            ev = ev.header("content-type", ctype);
+        }
+        let resp = rt().block_on(relay_api::respond(ev.build(), &w.deps));
+        let status = resp.status().as_u16();
+        prop_assert!(status < 500, "{status} for {raw:?}: {:?}", resp.body());
+        let text = String::from_utf8_lossy(resp.body().as_ref()).into_owned();
+        let form = |t: &str| {
+            t.starts_with("OK|")
+                || t.starts_with("ERROR")
+                || t == "CAPCHA_NOT_READY"
+                || t.split('|').all(|p| !p.is_empty())
+        };
+        let ok = match serde_json::from_str::<serde_json::Value>(&text) {
+            Ok(v) if v.is_object() => v["status"].is_u64() && v["request"].is_string(),
+            _ => form(&text),
+        };
+        prop_assert!(ok, "not a protocol answer ({status}): {text:?} for {raw:?}");
+        if status >= 400 {
+            prop_assert!(text.contains("ERROR"), "an error names its code: {text:?}");
         }
     }
 }
