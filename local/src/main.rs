@@ -114,6 +114,10 @@ async fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
             println!("  POST {}/tasks   (Authorization: Bearer <API key>)", relay.base_url);
             println!("  GET  {}/tasks/{{ref}}", relay.base_url);
             println!("  GET  {}/health", relay.base_url);
+            println!(
+                "  2captcha-compatible: {0}/in.php and {0}/res.php, `key` = the API key (README: Use your existing 2captcha/CaptchaAI code)",
+                relay.base_url
+            );
             if let (Some(url), Some(ca)) = (&relay.tls_url, &relay.ca_path) {
                 let (ca, server) = (ca.display(), url.trim_start_matches("https://"));
                 println!("  HTTPS: the same routes on {url}, certificate signed by the local CA {ca}");
@@ -122,7 +126,7 @@ async fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
                 println!("    Node:             NODE_EXTRA_CA_CERTS={ca}");
                 println!("    curl:             curl --cacert {ca} {url}/health");
                 println!(
-                    "    2captcha SDKs:    server=\"{server}\" (with the CA above; they build https://<server>/in.php)"
+                    "    2captcha SDKs:    server=\"{server}\", key = the API key (with the CA above; they build https://<server>/in.php)"
                 );
             }
             if relay.fake.is_some() {
