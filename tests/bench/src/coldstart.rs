@@ -412,7 +412,41 @@ pub async fn run(opts: &Opts) -> anyhow::Result<String> {
         };
         rows.push((name, native, spread(|s| s.init_ms), spread(|s| s.first_ms), spread(|s| s.rss_mb), size, zip));
     }
-    Ok(render(&rows, repeats, opts))
+    let mut report = render(&rows, repeats, opts);
+    report.push_str(&arm64_sizes(&dir)?);
+    Ok(report)
+}
+
+/// The arm64 build a deploy ships (`infra/sam-build.sh` → `.aws-sam/build/<Function>/bootstrap`),
+/// if one is there: each bootstrap's size and its zip. Its cold start is not measured: this
+/// machine cannot run arm64 code natively, and timings under emulation would say nothing.
+fn arm64_sizes(dir: &Path) -> anyhow::Result<String> {
+    let build = Opts::root().join(".aws-sam/build");
+    let functions = ["ApiFunction", "CallbackFunction", "PollerFunction", "RedriveFunction"];
+    let mut s = String::from("\n### The arm64 build `sam build` makes (what a deploy ships)\n\n");
+    let found: Vec<_> =
+        functions.iter().map(|f| (f, build.join(f).join("bootstrap"))).filter(|(_, p)| p.exists()).collect();
+    if found.is_empty() {
+        s.push_str(
+            "Not measured in this run: no `.aws-sam/build` here. Run `infra/sam-build.sh` (≈ 20 min on 2 cores) \
+             and the bench again to get this table.\n",
+        );
+        return Ok(s);
+    }
+    s.push_str(&format!(
+        "From `.aws-sam/build` (cargo-lambda, release, aarch64). Cold start is not measured for it: this machine is not \
+         arm64, and emulated timings would say nothing. Target: zip ≤ {TARGET_ZIP_MB} MB.\n\n\
+         | function | binary | zip | target |\n| --- | --- | --- | --- |\n"
+    ));
+    for (f, p) in found {
+        let arm = dir.join(format!("arm64-{f}"));
+        std::fs::create_dir_all(&arm)?;
+        let size = std::fs::metadata(&p)?.len() as f64 / 1_048_576.0;
+        let zip = zip_mb(&p, &arm)?;
+        let verdict = if zip <= TARGET_ZIP_MB { "met" } else { "missed" };
+        s.push_str(&format!("| {f} | {size:.1} MB | {zip:.2} MB | {verdict} |\n"));
+    }
+    Ok(s)
 }
 
 type Row = (&'static str, bool, Spread, Spread, Spread, f64, f64);
