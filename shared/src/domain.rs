@@ -46,20 +46,20 @@ impl TaskRef {
     /// A new reference for a task submitted through the 2captcha-compatible `in.php`, with its
     /// compat id: see [`TaskRef::from_compat_number`].
     pub fn generate_compat() -> (Self, u64) {
-        let b = uuid::Uuid::new_v4().into_bytes();
-        let r = u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[8]]);
-        let id = Self::COMPAT_MIN + r % (i64::MAX as u64 - Self::COMPAT_MIN);
-        (Self::from_compat_number(id), id)
+        Self::compat_from(uuid::Uuid::new_v4().as_u128() as u64)
     }
 
     /// The compat reference for a digest (an idempotency key's): its first 8 bytes, folded into
     /// the compat id range.
     pub fn compat_from_digest(digest: &[u8]) -> (Self, u64) {
         let mut b = [0u8; 8];
-        for (i, x) in digest.iter().take(8).enumerate() {
-            b[i] = *x;
-        }
-        let id = Self::COMPAT_MIN + u64::from_le_bytes(b) % (i64::MAX as u64 - Self::COMPAT_MIN);
+        b.iter_mut().zip(digest).for_each(|(to, from)| *to = *from);
+        Self::compat_from(u64::from_le_bytes(b))
+    }
+
+    /// `r` folded into the compat id range, and the id's reference.
+    fn compat_from(r: u64) -> (Self, u64) {
+        let id = Self::COMPAT_MIN + r % (i64::MAX as u64 - Self::COMPAT_MIN);
         (Self::from_compat_number(id), id)
     }
 

@@ -114,6 +114,12 @@ fn answer_with(
     b.body(Body::from(body)).unwrap_or_else(|_| Response::new(Body::Empty))
 }
 
+/// An answer 2captcha gives bare in plain form, without `OK|` (a balance, a batch read, a
+/// report); in JSON its status is `ok`.
+fn bare(p: &Params, ok: bool, text: &str) -> Response<Body> {
+    answer(p, ok && p.json, text, None)
+}
+
 /// The relay's own passing trouble: 503 + `Retry-After` (the SDKs see a network error).
 fn unavailable(p: &Params, code: &str, text: &str, retry_after: Duration) -> Response<Body> {
     let mut r = answer_with(p.json, p.acao, 503, false, code, Some(text));
@@ -156,19 +162,16 @@ fn params(req: &Request) -> Result<Params, Response<Body>> {
     let ctype = req.headers().get("content-type").and_then(|v| v.to_str().ok()).unwrap_or("").to_ascii_lowercase();
     if !body.is_empty() {
         if ctype.starts_with("multipart/form-data") {
-            let boundary = ctype
+            // The boundary's case matters: read it from the header as sent.
+            let boundary = req
+                .headers()
+                .get("content-type")
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("")
                 .split(';')
-                .filter_map(|p| p.trim().strip_prefix("boundary="))
-                .next()
-                .map(|b| b.trim_matches('"').to_owned());
-            // The boundary's case matters: read it from the original header.
-            let original = req.headers().get("content-type").and_then(|v| v.to_str().ok()).unwrap_or("");
-            let boundary = original
-                .split(';')
-                .filter_map(|p| p.trim().strip_prefix("boundary=").or_else(|| p.trim().strip_prefix("BOUNDARY=")))
-                .next()
-                .map(|b| b.trim_matches('"').to_owned())
-                .or(boundary)
+                .filter_map(|p| p.split_once('='))
+                .find(|(k, _)| k.trim().eq_ignore_ascii_case("boundary"))
+                .map(|(_, v)| v.trim().trim_matches('"').to_owned())
                 .ok_or_else(|| bad(wants_json(&values), "a multipart body without a boundary"))?;
             for part in multipart(body, &boundary).map_err(|e| bad(wants_json(&values), &e))? {
                 if part.name == "file" || part.filename.is_some() {
@@ -630,11 +633,7 @@ pub async fn res_php(req: &Request, deps: &Deps) -> Response<Body> {
                         Err(e) => return store_trouble(&p, &e),
                     }
                 }
-                return answer(&p, true, &parts.join("|"), None).map(|b| match (p.json, b) {
-                    // 2captcha's batch answer carries no `OK|` in plain form.
-                    (false, _) => Body::from(parts.join("|")),
-                    (true, b) => b,
-                });
+                return bare(&p, true, &parts.join("|"));
             }
             let Some(id) = p.get("id") else {
                 return answer(&p, false, "ERROR_WRONG_CAPTCHA_ID", Some("`id` is required"));
@@ -689,7 +688,7 @@ fn captchaai_trouble(p: &Params, e: &CaptchaAiError) -> Response<Body> {
 async fn balance(p: &Params, deps: &Deps) -> Response<Body> {
     let cached = deps.compat.balance.lock().ok().and_then(|b| b.clone()).filter(|(_, at)| at.elapsed() < BALANCE_FOR);
     if let Some((b, _)) = cached {
-        return answer_balance(p, &b);
+        return bare(p, true, &b);
     }
     if let Some(r) = stopped(p, deps).await {
         return r;
@@ -699,15 +698,10 @@ async fn balance(p: &Params, deps: &Deps) -> Response<Body> {
             if let Ok(mut c) = deps.compat.balance.lock() {
                 *c = Some((b.clone(), Instant::now()));
             }
-            answer_balance(p, &b)
+            bare(p, true, &b)
         }
         Err(e) => captchaai_trouble(p, &e),
     }
-}
-
-/// 2captcha answers a balance bare in plain form (no `OK|`).
-fn answer_balance(p: &Params, b: &str) -> Response<Body> {
-    if p.json { answer(p, true, b, None) } else { answer(p, true, b, None).map(|_| Body::from(b.to_owned())) }
 }
 
 async fn report(p: &Params, deps: &Deps, good: bool) -> Response<Body> {
@@ -725,9 +719,7 @@ async fn report(p: &Params, deps: &Deps, good: bool) -> Response<Body> {
         return r;
     }
     match deps.captchaai.report(&id, good).await {
-        // 2captcha answers a report bare in plain form (no `OK|`).
-        Ok(text) if p.json => answer(p, text.starts_with("OK"), &text, None),
-        Ok(text) => answer(p, false, &text, None),
+        Ok(text) => bare(p, text.starts_with("OK"), &text),
         Err(e) => captchaai_trouble(p, &e),
     }
 }

@@ -22,7 +22,9 @@ fn ok_id(r: &Response<Body>) -> String {
     id
 }
 
-fn multipart(fields: &[(&str, &str)], file: &[u8]) -> (String, Vec<u8>) {
+/// A multipart `POST /in.php` with these fields and a binary `file` part, as API Gateway passes
+/// it (base64-encoded).
+fn multipart_post(fields: &[(&str, &str)], file: &[u8]) -> ApiGatewayEvent {
     let mut b = Vec::new();
     for (k, v) in fields {
         b.extend_from_slice(
@@ -37,7 +39,9 @@ fn multipart(fields: &[(&str, &str)], file: &[u8]) -> (String, Vec<u8>) {
     );
     b.extend_from_slice(file);
     b.extend_from_slice(format!("\r\n--{MULTIPART_BOUNDARY}--\r\n").as_bytes());
-    (format!("multipart/form-data; boundary={MULTIPART_BOUNDARY}"), b)
+    ApiGatewayEvent::new("POST", "/in.php")
+        .header("content-type", &format!("multipart/form-data; boundary={MULTIPART_BOUNDARY}"))
+        .body_base64(&base64::engine::general_purpose::STANDARD.encode(&b), b.len())
 }
 
 impl World {
@@ -148,14 +152,7 @@ async fn in_php_takes_every_supported_kind_in_every_body_form_and_answers_as_2ca
 
     // A file as the Python SDK's `normal(<file>)` posts it: multipart, binary bytes.
     let file = b"\x89PNG\r\n\x1a\n\x00\xff binary \r\n--not-a-boundary";
-    let (ctype, bytes) = multipart(&[("key", k), ("method", "post"), ("min_len", "4")], file);
-    let r = w
-        .call(
-            ApiGatewayEvent::new("POST", "/in.php")
-                .header("content-type", &ctype)
-                .body_base64(&base64::engine::general_purpose::STANDARD.encode(&bytes), bytes.len()),
-        )
-        .await;
+    let r = w.call(multipart_post(&[("key", k), ("method", "post"), ("min_len", "4")], file)).await;
     let post = ok_id(&r);
     let sent = w.sent(&post).await;
     assert_eq!(sent.method, "base64", "the file goes to CaptchaAI as base64");
@@ -204,14 +201,7 @@ async fn bad_keys_and_bad_requests_get_2captchas_codes_and_reach_nobody() -> any
         assert!(b["error_text"].as_str().is_some_and(|t| !t.is_empty()), "a clear reason: {b}");
     }
     // Too big an image, as a file.
-    let (ctype, bytes) = multipart(&[("key", k), ("method", "post")], &vec![7u8; 100 * 1024 + 1]);
-    let r = w
-        .call(
-            ApiGatewayEvent::new("POST", "/in.php")
-                .header("content-type", &ctype)
-                .body_base64(&base64::engine::general_purpose::STANDARD.encode(&bytes), bytes.len()),
-        )
-        .await;
+    let r = w.call(multipart_post(&[("key", k), ("method", "post")], &vec![7u8; 100 * 1024 + 1])).await;
     assert_eq!(text(&r), "ERROR_TOO_BIG_CAPTCHA_FILESIZE");
     // A malformed multipart body is the caller's mistake: 400, never a 500.
     let r = w
