@@ -242,39 +242,6 @@ fn compat_form(kind: CaptchaKind) -> &'static str {
     }
 }
 
-/// Submits through the 2captcha-compatible `/in.php` with a relay key, as an SDK would (plus an
-/// idempotency key, so its retries are safe); returns the task's reference.
-async fn submit_compat(emu: &Emulator, cfg: &Config, n: usize, kind: CaptchaKind, key: &str) -> anyhow::Result<String> {
-    for _ in 0..200 {
-        let sent = emu
-            .http
-            .post(emu.url("relay-api", "/in.php"))
-            .header("content-type", "application/x-www-form-urlencoded")
-            .header("idempotency-key", format!("e2e-compat-{}-{n}", cfg.seed))
-            .body(format!("key={key}&{}", compat_form(kind)))
-            .timeout(Duration::from_secs(60))
-            .send()
-            .await;
-        let wait = match sent {
-            Ok(resp) => {
-                let status = resp.status().as_u16();
-                let text = resp.text().await.unwrap_or_default();
-                if let Some(id) = text.strip_prefix("OK|") {
-                    return Ok(relay_shared::domain::TaskRef::from_compat_id(id)?.to_string());
-                }
-                ensure!(
-                    status == 503 || text == "ERROR_NO_SLOT_AVAILABLE",
-                    "compat submit {n} answered {status}: {text}"
-                );
-                Duration::from_secs(2)
-            }
-            Err(_) => Duration::from_secs(2),
-        };
-        tokio::time::sleep(wait).await;
-    }
-    bail!("compat submit {n} never went through")
-}
-
 /// `res.php?action=get` for a task submitted through `/in.php`.
 async fn res_compat(emu: &Emulator, task_ref: &str, key: &str) -> anyhow::Result<String> {
     let r = relay_shared::domain::TaskRef::parse(task_ref)?;
@@ -284,33 +251,58 @@ async fn res_compat(emu: &Emulator, task_ref: &str, key: &str) -> anyhow::Result
 }
 
 /// Submits as a careful client does: an idempotency key; on a 429, or a 503 that says retrying
-/// is safe, again after `Retry-After` with the same key; on no answer, again after 2 s.
-async fn submit(emu: &Emulator, cfg: &Config, n: usize, kind: CaptchaKind) -> anyhow::Result<String> {
+/// is safe, again after `Retry-After` with the same key; on no answer, again after 2 s. With a
+/// relay key, through the 2captcha-compatible `/in.php` as an SDK would (retrying a 503 or
+/// `ERROR_NO_SLOT_AVAILABLE`). Returns the task's reference.
+async fn submit(
+    emu: &Emulator,
+    cfg: &Config,
+    n: usize,
+    kind: CaptchaKind,
+    relay_key: Option<&str>,
+) -> anyhow::Result<String> {
     for _ in 0..200 {
-        let sent = emu
-            .http
-            .post(emu.url("relay-api", "/tasks"))
-            .bearer_auth(API_KEY)
-            .header("content-type", "application/json")
-            .header("idempotency-key", format!("e2e-{}-{n}", cfg.seed))
-            .body(body_for(kind))
-            .timeout(Duration::from_secs(60))
-            .send()
-            .await;
-        let wait = match sent {
+        let req = match relay_key {
+            None => emu
+                .http
+                .post(emu.url("relay-api", "/tasks"))
+                .bearer_auth(API_KEY)
+                .header("content-type", "application/json")
+                .header("idempotency-key", format!("e2e-{}-{n}", cfg.seed))
+                .body(body_for(kind)),
+            Some(key) => emu
+                .http
+                .post(emu.url("relay-api", "/in.php"))
+                .header("content-type", "application/x-www-form-urlencoded")
+                .header("idempotency-key", format!("e2e-compat-{}-{n}", cfg.seed))
+                .body(format!("key={key}&{}", compat_form(kind))),
+        };
+        let wait = match req.timeout(Duration::from_secs(60)).send().await {
             Ok(resp) => {
                 let status = resp.status().as_u16();
                 let after =
                     resp.headers().get("retry-after").and_then(|v| v.to_str().ok()).and_then(|v| v.parse().ok());
-                let v: Value = resp.json().await.unwrap_or_default();
-                if matches!(status, 200 | 202) {
-                    return Ok(s(&v["task_ref"])?.to_owned());
+                let text = resp.text().await.unwrap_or_default();
+                if relay_key.is_some() {
+                    if let Some(id) = text.strip_prefix("OK|") {
+                        return Ok(relay_shared::domain::TaskRef::from_compat_id(id)?.to_string());
+                    }
+                    ensure!(
+                        status == 503 || text == "ERROR_NO_SLOT_AVAILABLE",
+                        "compat submit {n} answered {status}: {text}"
+                    );
+                    Duration::from_secs(after.unwrap_or(2))
+                } else {
+                    let v: Value = serde_json::from_str(&text).unwrap_or_default();
+                    if matches!(status, 200 | 202) {
+                        return Ok(s(&v["task_ref"])?.to_owned());
+                    }
+                    ensure!(
+                        matches!(status, 429 | 503) && v["error"]["retry_safe"] == true,
+                        "submit {n} answered {status}: {v}"
+                    );
+                    Duration::from_secs(after.unwrap_or(5))
                 }
-                ensure!(
-                    matches!(status, 429 | 503) && v["error"]["retry_safe"] == true,
-                    "submit {n} answered {status}: {v}"
-                );
-                Duration::from_secs(after.unwrap_or(5))
             }
             Err(_) => Duration::from_secs(2),
         };
@@ -549,11 +541,7 @@ async fn scenario(cfg: &Config, p: &Parts<'_>, visibility: i32, table: &str, mot
             }
             let kind = CaptchaKind::ALL[n % CaptchaKind::ALL.len()];
             // Every fourth task as a 2captcha SDK submits it: `/in.php` with a relay key.
-            let task_ref = if n % 4 == 3 {
-                submit_compat(p.emu, cfg, n, kind, relay_key).await?
-            } else {
-                submit(p.emu, cfg, n, kind).await?
-            };
+            let task_ref = submit(p.emu, cfg, n, kind, (n % 4 == 3).then_some(relay_key)).await?;
             if let Ok(mut o) = owned.lock() {
                 o.push(Owned { kind, task_ref, handed_out: None, done: false });
             }
