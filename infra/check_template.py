@@ -11,8 +11,11 @@ Checks:
   sqs-visibility  a queue feeding a function has VisibilityTimeout >= 6 x the function's timeout
                   + the event source's MaximumBatchingWindowInSeconds (AWS's guidance).
   reserved        no function reserves concurrency unconditionally (new accounts cannot).
-  secrets         a secret parameter that may name /aws/reference/secretsmanager/... comes with a
-                  conditional secretsmanager:GetSecretValue grant in every function reading it.
+  secrets         every function reading a secret parameter (`*_PARAM`) may ssm:GetParameter it;
+                  one that may name /aws/reference/secretsmanager/... comes with a
+                  secretsmanager:GetSecretValue grant naming it, conditional on a condition that
+                  tests that parameter for the prefix, in every function reading it (the
+                  function's SAM `Policies` or, with `Role:`, that role's inline policies).
   knobs           every environment variable and template parameter the README names exists:
                   variables are read somewhere in the Rust code, parameters are in the template.
   compat-routes   the 2captcha-compatible /in.php and /res.php exist on the function serving
@@ -22,6 +25,17 @@ Checks:
                   keyed exactly by its route key); no RouteSettings key names a route that does
                   not exist (the stage would fail to deploy); the function may GetItem on the
                   table (relay keys are checked by one GetItem).
+  delivery        push delivery (issue 15): the task table streams NEW_IMAGE and has the sparse
+                  index due-for-delivery (dlv_shard/dlv_due, KEYS_ONLY; parked pushes
+                  sit in it too); one function reads the stream with an
+                  OnFailure destination (an SQS queue of this template) and a FilterCriteria whose
+                  every pattern requires dynamodb.NewImage dlv_shard and dlv_due to exist as N
+                  (`exists` without the type never matches); it also has a schedule (the sweep);
+                  it has its own role (SAM's would get the managed AWSLambdaDynamoDBExecutionRole:
+                  every stream, every log group) with no managed policies, granting only
+                  DELIVERY_ACTIONS, `*` only for ListStreams, SendMessage only to its OnFailure
+                  queue; the delivery alarms exist, watch their metric (`service` = delivery for
+                  the relay's own) and notify an SNS topic of this template.
 """
 import copy
 import json
@@ -62,6 +76,33 @@ def ref_target(v):
             ga = v["Fn::GetAtt"]
             return ga[0] if isinstance(ga, list) else ga.split(".")[0]
     return None
+
+
+def role_of(t, fn_resource):
+    """The template role a function names with `Role:` (a Ref or GetAtt), else None."""
+    role = fn_resource.get("Properties", {}).get("Role")
+    target = ref_target(role) if role is not None else None
+    return target if t["Resources"].get(target, {}).get("Type") == "AWS::IAM::Role" else None
+
+
+def function_statements(t, fn_resource):
+    """(statement, condition or None) for every statement a function's permissions are built from:
+    its own SAM `Policies` (inline statements) or, with `Role:`, that role's inline policies. Both
+    arms of an Fn::If are returned, an arm that is AWS::NoValue is dropped."""
+    role = role_of(t, fn_resource)
+    if role:
+        docs = [p.get("PolicyDocument", {}) for p in listify(t["Resources"][role].get("Properties", {}).get("Policies", []))]
+    else:
+        docs = [p for p in listify(fn_resource.get("Properties", {}).get("Policies", [])) if isinstance(p, dict)]
+    out = []
+    for doc in docs:
+        for st in listify(doc.get("Statement", [])):
+            if isinstance(st, dict) and "Fn::If" in st:
+                cond, a, b = st["Fn::If"]
+                out += [(x, cond) for x in branches(a) + branches(b) if isinstance(x, dict) and not is_no_value(x)]
+            elif isinstance(st, dict):
+                out.append((st, None))
+    return out
 
 
 def key_lets_cloudwatch_publish(key):
@@ -136,22 +177,43 @@ def check_reserved(t):
     return out
 
 
+def names_param(v, param):
+    """Whether an expression uses parameter `param` (`${Param}` in a Sub, or a Ref)."""
+    text = json.dumps(v)
+    return "${" + param + "}" in text or json.dumps({"Ref": param}) in text
+
+
+def tests_secretsmanager_prefix(t, cond, param):
+    """Whether condition `cond` is the template's test of `param` for /aws/reference/secretsmanager/."""
+    text = json.dumps(t.get("Conditions", {}).get(cond, {}))
+    return "/aws/reference/secretsmanager/" in text and json.dumps({"Ref": param}) in text
+
+
 def check_secrets(t):
     out = []
     for name, r in t["Resources"].items():
         if r.get("Type") != "AWS::Serverless::Function":
             continue
         env = r.get("Properties", {}).get("Environment", {}).get("Variables", {})
-        text = json.dumps(r.get("Properties", {}).get("Policies", []))
+        statements = [(st, cond) for st, cond in function_statements(t, r) if st.get("Effect") == "Allow"]
+
+        def granting(action):
+            return [(st, cond) for st, cond in statements if action in {a.lower() for a in listify(st.get("Action", []))}]
+
         for var, v in env.items():
-            if not var.endswith("_PARAM"):
-                continue
             param = ref_target(v)
-            desc = t["Parameters"].get(param, {}).get("Description", "")
+            if not var.endswith("_PARAM") or param not in t.get("Parameters", {}):
+                continue
+            if not any(names_param(st.get("Resource"), param) for st, _ in granting("ssm:getparameter")):
+                out.append(f"{name}: reads {param} ({var}) but no ssm:GetParameter grant names it")
+            desc = t["Parameters"][param].get("Description", "")
             if "secretsmanager" not in desc:
                 continue
-            if "secretsmanager:GetSecretValue" not in text or param not in text.split("GetSecretValue", 1)[1]:
+            mine = [(st, cond) for st, cond in granting("secretsmanager:getsecretvalue") if names_param(st.get("Resource"), param)]
+            if not mine:
                 out.append(f"{name}: {param} may name a Secrets Manager secret but no GetSecretValue grant names it")
+            elif not any(cond and tests_secretsmanager_prefix(t, cond, param) for _, cond in mine):
+                out.append(f"{name}: the GetSecretValue grant on {param} is not conditional on a test of {param} for /aws/reference/secretsmanager/")
     return out
 
 
@@ -272,6 +334,160 @@ def check_compat_routes(t):
     return sorted(set(out))
 
 
+DELIVERY_INDEXES = {
+    # name: (hash key, range key, projection)
+    # Parked pushes live in it too, above a far-future base: one index, one deploy.
+    "due-for-delivery": ("dlv_shard", "dlv_due", "KEYS_ONLY"),
+}
+DELIVERY_FILTER_ATTRS = ("dlv_shard", "dlv_due")
+DELIVERY_ACTIONS = {
+    "dynamodb:getitem", "dynamodb:updateitem", "dynamodb:query",
+    "dynamodb:describestream", "dynamodb:getrecords", "dynamodb:getsharditerator", "dynamodb:liststreams",
+    "sqs:sendmessage", "ssm:getparameter", "secretsmanager:getsecretvalue", "kms:decrypt",
+    "logs:createlogstream", "logs:putlogevents",
+}
+# Actions with no resource-level permission: `*` is their only resource.
+STAR_OK = {"dynamodb:liststreams"}
+# alarm: (namespace, metric) it must watch.
+DELIVERY_ALARMS = {
+    "DeliveryParkedAlarm": ("CaptchaRelay", "deliveries_parked"),
+    "DeliveryAgeAlarm": ("CaptchaRelay", "oldest_delivery_due_seconds"),
+    "DeliveryFailuresQueueAlarm": ("AWS/SQS", "ApproximateNumberOfMessagesVisible"),
+    "DeliveryErrorsAlarm": ("AWS/Lambda", "Errors"),
+    "DeliveryStreamIteratorAgeAlarm": ("AWS/Lambda", "IteratorAge"),
+}
+
+
+def alarm_metrics(props):
+    """(namespace, metric name, {dimension: value}) for every metric an alarm reads."""
+    if props.get("MetricName"):
+        dims = {d.get("Name"): d.get("Value") for d in listify(props.get("Dimensions", []))}
+        return [(props.get("Namespace"), props["MetricName"], dims)]
+    out = []
+    for m in listify(props.get("Metrics", [])):
+        metric = (m.get("MetricStat") or {}).get("Metric")
+        if metric:
+            dims = {d.get("Name"): d.get("Value") for d in listify(metric.get("Dimensions", []))}
+            out.append((metric.get("Namespace"), metric.get("MetricName"), dims))
+    return out
+
+
+def stream_events(t, table):
+    """(function, event name, event properties) for every DynamoDB event on `table`'s stream."""
+    out = []
+    for fn, r in t["Resources"].items():
+        if r.get("Type") != "AWS::Serverless::Function":
+            continue
+        for ev_name, ev in r.get("Properties", {}).get("Events", {}).items():
+            if ev.get("Type") == "DynamoDB" and ref_target(ev.get("Properties", {}).get("Stream")) == table:
+                out.append((fn, ev_name, ev.get("Properties", {})))
+    return out
+
+
+def filter_requires(pattern, attr):
+    """Whether a filter pattern lets through only records whose NewImage has `attr` as a number."""
+    leaf = ((pattern.get("dynamodb") or {}).get("NewImage") or {}).get(attr)
+    return isinstance(leaf, dict) and leaf.get("N") == [{"exists": True}]
+
+
+def check_delivery(t, table="TasksTable"):
+    res = t["Resources"]
+    out = []
+    props = res.get(table, {}).get("Properties", {})
+    if not props:
+        return [f"no {table}"]
+    view = (props.get("StreamSpecification") or {}).get("StreamViewType")
+    if view != "NEW_IMAGE":
+        out.append(f"{table}: StreamViewType is {view}; push delivery needs NEW_IMAGE")
+    defs = {d.get("AttributeName"): d.get("AttributeType") for d in listify(props.get("AttributeDefinitions", []))}
+    gsis = {g.get("IndexName"): g for g in listify(props.get("GlobalSecondaryIndexes", []))}
+    for index, (hash_key, range_key, projection) in DELIVERY_INDEXES.items():
+        g = gsis.get(index)
+        if g is None:
+            out.append(f"{table}: no index {index}")
+            continue
+        keys = {k.get("KeyType"): k.get("AttributeName") for k in listify(g.get("KeySchema", []))}
+        if keys != {"HASH": hash_key, "RANGE": range_key}:
+            out.append(f"{table}: index {index} keys {keys}; want {hash_key} (HASH), {range_key} (RANGE)")
+        if (g.get("Projection") or {}).get("ProjectionType") != projection:
+            out.append(f"{table}: index {index} projection is not {projection}")
+        for k in (hash_key, range_key):
+            if defs.get(k) != "N":
+                out.append(f"{table}: attribute {k} is not defined as N")
+
+    events = stream_events(t, table)
+    if not events:
+        out.append(f"no function reads {table}'s stream (push delivery is woken by it)")
+    failure_queues = set()
+    for fn, ev_name, ev in events:
+        where = f"{fn}.{ev_name}"
+        dest = ((ev.get("DestinationConfig") or {}).get("OnFailure") or {}).get("Destination")
+        queue = ref_target(dest) if dest is not None else None
+        failure_queues.add(queue)
+        if queue is None or res.get(queue, {}).get("Type") != "AWS::SQS::Queue":
+            out.append(f"{where}: no OnFailure destination (an SQS queue of this template)")
+        filters = listify((ev.get("FilterCriteria") or {}).get("Filters", []))
+        if not filters:
+            out.append(f"{where}: no FilterCriteria (every write of the table would invoke it)")
+        for f in filters:
+            try:
+                pattern = json.loads(f.get("Pattern", ""))
+            except (TypeError, ValueError):
+                out.append(f"{where}: filter pattern is not JSON: {f.get('Pattern')!r}")
+                continue
+            for attr in DELIVERY_FILTER_ATTRS:
+                if not filter_requires(pattern, attr):
+                    out.append(f"{where}: filter pattern does not require dynamodb.NewImage.{attr} to exist as N "
+                               f'({{"{attr}": {{"N": [{{"exists": true}}]}}}}; `exists` without the type never matches)')
+        r = res[fn]
+        if not any(e.get("Type") in ("ScheduleV2", "Schedule") for e in r.get("Properties", {}).get("Events", {}).values()):
+            out.append(f"{fn}: no schedule (the sweep that retries what is due)")
+        role = role_of(t, r)
+        if role is None:
+            out.append(f"{fn}: no Role of its own; SAM gives a DynamoDB event's function the managed AWSLambdaDynamoDBExecutionRole (stream reads on every stream, logs on every group)")
+            continue
+        role_props = res[role].get("Properties", {})
+        if role_props.get("ManagedPolicyArns"):
+            out.append(f"{role}: managed policies {role_props['ManagedPolicyArns']}; grant only DELIVERY_ACTIONS inline")
+        for st, _ in function_statements(t, r):
+            if st.get("Effect") != "Allow":
+                continue
+            if "NotAction" in st or "NotResource" in st:
+                out.append(f"{role}: NotAction/NotResource grants more than it names")
+            actions = {a.lower() for a in listify(st.get("Action", []))}
+            resources = listify(st.get("Resource", []))
+            for a in sorted(actions - DELIVERY_ACTIONS):
+                out.append(f"{role}: grants {a}, beyond the delivery function's actions")
+            if "*" in resources and actions - STAR_OK:
+                out.append(f"{role}: grants {sorted(actions - STAR_OK)} on *")
+            if "sqs:sendmessage" in actions and any(ref_target(x) != queue for x in resources):
+                out.append(f"{role}: sqs:SendMessage on {resources}; only the OnFailure queue {queue}")
+            item = actions & {"dynamodb:getitem", "dynamodb:updateitem", "dynamodb:query"}
+            if item and not all(ref_target(x) == table or (isinstance(x, dict) and f"${{{table}.Arn}}/index/" in json.dumps(x)) for x in resources):
+                out.append(f"{role}: {sorted(item)} on {resources}; only {table} and its indexes")
+
+    for alarm, (namespace, metric) in DELIVERY_ALARMS.items():
+        a = res.get(alarm)
+        if not a or a.get("Type") != "AWS::CloudWatch::Alarm":
+            out.append(f"no {alarm}")
+            continue
+        p = a.get("Properties", {})
+        topics = [x for x in listify(p.get("AlarmActions", [])) if res.get(ref_target(x), {}).get("Type") == "AWS::SNS::Topic"]
+        if not topics:
+            out.append(f"{alarm}: its AlarmActions notify no SNS topic of this template (AlarmTopic)")
+        metrics = alarm_metrics(p)
+        if not any(ns == namespace and m == metric for ns, m, _ in metrics):
+            out.append(f"{alarm}: does not watch {namespace} {metric}")
+        for ns, m, dims in metrics:
+            if ns == "CaptchaRelay" and dims.get("service") != "delivery":
+                out.append(f"{alarm}: {m} without dimension service = delivery matches nothing the function emits")
+            if ns == "AWS/Lambda" and ref_target(dims.get("FunctionName")) not in {e[0] for e in events}:
+                out.append(f"{alarm}: {m} of FunctionName {dims.get('FunctionName')}, not the function reading the stream")
+            if ns == "AWS/SQS" and ref_target(dims.get("QueueName")) not in failure_queues:
+                out.append(f"{alarm}: {m} of QueueName {dims.get('QueueName')}, not the stream's OnFailure queue")
+    return sorted(set(out))
+
+
 def rust_sources():
     return "\n".join(p.read_text() for p in ROOT.rglob("*.rs") if "target" not in p.parts and ".venv" not in p.parts)
 
@@ -284,6 +500,7 @@ def run_checks(t, readme, sources):
         "secrets": check_secrets(t),
         "knobs": check_knobs(t, readme, sources),
         "compat-routes": check_compat_routes(t),
+        "delivery": check_delivery(t),
     }
 
 
@@ -357,6 +574,7 @@ def self_test(t, readme, sources):
         ("compat-routes", broken(lambda c: settings(c).__setitem__("GET /nowhere", {"ThrottlingRateLimit": 1, "ThrottlingBurstLimit": 1})), "which is no route"),
         ("compat-routes", broken(drop_get_item), "dynamodb:GetItem"),
     ]
+    cases += delivery_cases(t, broken, failures)
     for check, tpl, *needle in cases:
         found = run_checks(tpl, readme, sources)[check]
         if not found:
@@ -366,6 +584,89 @@ def self_test(t, readme, sources):
     if not run_checks(t, readme + "\nset `NO_SUCH_SETTING` and `NoSuchParameterSeconds`\n", sources)["knobs"]:
         failures.append("knobs: did not fail on an unknown setting")
     return failures
+
+
+def delivery_cases(t, broken, failures):
+    """Broken copies for the `delivery` check, and for `secrets` on a function with its own role."""
+    table = "TasksTable"
+    events = stream_events(t, table)
+    if not events:
+        failures.append("delivery: the template has no function reading the table's stream to break")
+        return []
+    fn, ev_name, _ = events[0]
+    role = role_of(t, t["Resources"][fn])
+    if role is None:
+        failures.append(f"delivery: {fn} has no role of its own to break")
+        return []
+    webhook = next((ref_target(v) for k, v in t["Resources"][fn]["Properties"]["Environment"]["Variables"].items() if k.endswith("_PARAM")), None)
+    alarm = next((a for a in DELIVERY_ALARMS if a in t["Resources"]), None)
+    if alarm is None:
+        failures.append("delivery: the template has no delivery alarm to break")
+        return []
+    tbl = lambda c: c["Resources"][table]["Properties"]
+    ev = lambda c: c["Resources"][fn]["Properties"]["Events"][ev_name]["Properties"]
+    doc = lambda c: c["Resources"][role]["Properties"]["Policies"][0]["PolicyDocument"]
+
+    def drop_index(name):
+        return lambda c: tbl(c).__setitem__("GlobalSecondaryIndexes", [g for g in tbl(c)["GlobalSecondaryIndexes"] if g["IndexName"] != name])
+
+    def set_pattern(pattern):
+        return lambda c: ev(c).__setitem__("FilterCriteria", {"Filters": [{"Pattern": json.dumps(pattern)}]})
+
+    def add_statement(st):
+        return lambda c: doc(c)["Statement"].append(st)
+
+    def only_sam_policies(c):
+        c["Resources"][fn]["Properties"].pop("Role")
+        c["Resources"][fn]["Properties"]["Policies"] = [{"Statement": copy.deepcopy(doc(c)["Statement"])}]
+        c["Resources"].pop(role)
+
+    def drop_statements(action, keep_if=False):
+        """Remove the statements granting `action` (with keep_if: unwrap their Fn::If instead)."""
+        def f(c):
+            out = []
+            for st in doc(c)["Statement"]:
+                arms = branches(st)
+                if not any(isinstance(a, dict) and action in listify(a.get("Action", [])) for a in arms):
+                    out.append(st)
+                elif keep_if and "Fn::If" in st:
+                    out.append(st["Fn::If"][1])
+            doc(c)["Statement"] = out
+        return f
+
+    table_arn = {"Fn::GetAtt": [table, "Arn"]}
+    return [
+        ("delivery", broken(lambda c: tbl(c).__setitem__("StreamSpecification", {"StreamViewType": "KEYS_ONLY"})), "NEW_IMAGE"),
+        ("delivery", broken(lambda c: tbl(c).pop("StreamSpecification", None)), "NEW_IMAGE"),
+        ("delivery", broken(drop_index("due-for-delivery")), "no index due-for-delivery"),
+        ("delivery", broken(lambda c: tbl(c)["GlobalSecondaryIndexes"][-1].__setitem__("Projection", {"ProjectionType": "ALL"})), "projection is not KEYS_ONLY"),
+        ("delivery", broken(lambda c: ev(c).pop("DestinationConfig")), "no OnFailure"),
+        ("delivery", broken(lambda c: ev(c).pop("FilterCriteria")), "no FilterCriteria"),
+        # `exists` on the attribute itself (no type) never matches a stream record.
+        ("delivery", broken(set_pattern({"dynamodb": {"NewImage": {"dlv_shard": [{"exists": True}], "dlv_due": [{"exists": True}]}}})), "to exist as N"),
+        ("delivery", broken(set_pattern({"dynamodb": {"NewImage": {"dlv_shard": {"N": [{"exists": True}]}}}})), "dlv_due to exist"),
+        ("delivery", broken(lambda c: [c["Resources"][fn]["Properties"]["Events"].pop(k) for k, e in list(c["Resources"][fn]["Properties"]["Events"].items()) if e["Type"] in ("ScheduleV2", "Schedule")]), "no schedule"),
+        ("delivery", broken(only_sam_policies), "AWSLambdaDynamoDBExecutionRole"),
+        ("delivery", broken(lambda c: c["Resources"][role]["Properties"].__setitem__("ManagedPolicyArns", ["arn:aws:iam::aws:policy/service-role/AWSLambdaDynamoDBExecutionRole"])), "managed policies"),
+        ("delivery", broken(add_statement({"Effect": "Allow", "Action": "dynamodb:Scan", "Resource": table_arn})), "beyond"),
+        ("delivery", broken(add_statement({"Effect": "Allow", "Action": "dynamodb:*", "Resource": table_arn})), "beyond"),
+        ("delivery", broken(add_statement({"Effect": "Allow", "Action": "dynamodb:GetItem", "Resource": "*"})), "on *"),
+        ("delivery", broken(add_statement({"Effect": "Allow", "Action": "sqs:SendMessage", "Resource": {"Fn::GetAtt": ["DeadLetterQueue", "Arn"]}})), "only the OnFailure queue"),
+        ("delivery", broken(lambda c: c["Resources"].pop(alarm)), f"no {alarm}"),
+        ("delivery", broken(lambda c: c["Resources"][alarm]["Properties"].pop("AlarmActions")), "AlarmTopic"),
+        ("delivery", broken(lambda c: c["Resources"][alarm]["Properties"].__setitem__("Dimensions", [{"Name": "service", "Value": "poller"}])), "service = delivery"),
+    ] + [
+        ("delivery", broken(lambda c, a=a: c["Resources"][a]["Properties"].__setitem__("Dimensions", [{"Name": dim, "Value": value}])), needle)
+        for a, dim, value, needle in (
+            ("DeliveryStreamIteratorAgeAlarm", "FunctionName", {"Ref": "PollerFunction"}, "not the function reading the stream"),
+            ("DeliveryFailuresQueueAlarm", "QueueName", {"Fn::GetAtt": ["PoisonQueue", "QueueName"]}, "not the stream's OnFailure queue"),
+        )
+        if "MetricName" in t["Resources"].get(a, {}).get("Properties", {})
+    ] + ([] if webhook is None else [
+        ("secrets", broken(drop_statements("secretsmanager:GetSecretValue")), f"{webhook} may name a Secrets Manager secret"),
+        ("secrets", broken(drop_statements("secretsmanager:GetSecretValue", keep_if=True)), "is not conditional"),
+        ("secrets", broken(drop_statements("ssm:GetParameter")), "no ssm:GetParameter"),
+    ])
 
 
 def main():

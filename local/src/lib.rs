@@ -38,6 +38,8 @@ pub struct LocalParts {
     pub clock: Arc<dyn relay_shared::time::Clock>,
     /// Where results that cannot be stored go.
     pub dead_letters: Arc<dyn relay_shared::deadletter::DeadLetterSink>,
+    /// Which owner callback URLs tasks may carry.
+    pub delivery_policy: relay_shared::webhook::UrlPolicy,
 }
 
 impl Relay {
@@ -60,6 +62,7 @@ impl Relay {
                 // beside any made with the operator command.
                 relay_keys: relay_shared::store::RelayKeys::new(Some(p.store.clone())).with_fixed("local", &p.api_key),
                 compat: relay_api::compat::CompatState::default(),
+                delivery_policy: p.delivery_policy,
             },
             callback: relay_callback::Deps {
                 store: p.store,

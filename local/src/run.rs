@@ -30,6 +30,33 @@ pub struct LocalSecrets {
 }
 
 impl LocalConfig {
+    /// Where the webhook signing secret is kept when `WEBHOOK_SECRETS` is not given.
+    pub fn webhook_secrets_path(&self) -> PathBuf {
+        self.data_dir.join("webhook-secrets")
+    }
+
+    /// The secrets pushes are signed with: given, or made once and kept (owner-only).
+    pub fn webhook_keys(&self) -> anyhow::Result<(relay_shared::webhook::SigningKeys, String)> {
+        use relay_shared::webhook::{SigningKeys, WebhookSecret};
+        let text = match &self.webhook_secrets {
+            Some(t) => t.clone(),
+            None => {
+                let path = self.webhook_secrets_path();
+                match std::fs::read_to_string(&path) {
+                    Ok(t) => t.trim().to_owned(),
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                        let (_, text) = WebhookSecret::generate();
+                        write_private(&path, &text)?;
+                        text
+                    }
+                    Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
+                }
+            }
+        };
+        let keys = SigningKeys::parse_list(&text).context("the webhook secrets")?;
+        Ok((keys, text))
+    }
+
     /// Where secrets that were not given are kept.
     pub fn secrets_path(&self) -> PathBuf {
         self.data_dir.join("secrets.json")
@@ -109,6 +136,15 @@ pub struct LocalConfig {
     /// Results remembered so repeated pingbacks are answered without the store
     /// (`CALLBACK_RECENT_RESULTS`; 0 turns it off).
     pub recent_results: usize,
+    /// Lets owner callback URLs (`callback_url`, `pingback`) point at loopback and use plain
+    /// http (`RELAY_WEBHOOK_ALLOW_LOOPBACK=1`), for a receiver on this machine. Off: https to
+    /// public addresses only, as on AWS. Private, link-local and metadata addresses are refused
+    /// either way.
+    pub webhook_allow_loopback: bool,
+    /// The secrets pushes are signed with (`WEBHOOK_SECRETS`: `whsec_…`, or
+    /// `whsec_new,whsec_old` while rotating). Unset: a random one, kept in
+    /// `<data_dir>/webhook-secrets`.
+    pub webhook_secrets: Option<String>,
 }
 
 impl Default for LocalConfig {
@@ -126,6 +162,8 @@ impl Default for LocalConfig {
             poll_interval_secs: 10,
             callback_grace_secs: None,
             recent_results: relay_callback::RECENT_RESULTS,
+            webhook_allow_loopback: false,
+            webhook_secrets: None,
         }
     }
 }
@@ -177,6 +215,16 @@ impl LocalConfig {
         }
         if let Some(v) = env("CALLBACK_GRACE_SECS") {
             c.callback_grace_secs = Some(num("CALLBACK_GRACE_SECS", v)?);
+        }
+        if let Some(v) = env("RELAY_WEBHOOK_ALLOW_LOOPBACK") {
+            c.webhook_allow_loopback = match v.trim() {
+                "1" | "true" | "yes" => true,
+                "0" | "false" | "no" | "" => false,
+                other => bail!("RELAY_WEBHOOK_ALLOW_LOOPBACK must be 1 or 0, got `{other}`"),
+            };
+        }
+        if let Some(v) = env("WEBHOOK_SECRETS") {
+            c.webhook_secrets = Some(v);
         }
         if let Some(v) = env("CALLBACK_RECENT_RESULTS") {
             c.recent_results = v
@@ -231,6 +279,9 @@ impl LocalConfig {
                 "signing_secret (CALLBACK_SIGNING_SECRET) must be at least 16 characters (or unset: a random one is made)"
             );
         }
+        if let Some(w) = &self.webhook_secrets {
+            relay_shared::webhook::SigningKeys::parse_list(w).context("webhook_secrets (WEBHOOK_SECRETS)")?;
+        }
         if self.poll_interval_secs == 0 {
             bail!("poll_interval_secs (POLL_INTERVAL_SECS) must be at least 1");
         }
@@ -250,6 +301,15 @@ impl LocalConfig {
             bail!("with a real CaptchaAI key, set public_url (RELAY_PUBLIC_URL): CaptchaAI must reach /callback on it");
         }
         Ok(())
+    }
+}
+
+/// Local mode's push settings: the template's defaults, with loopback allowed only when asked.
+pub fn delivery_settings(cfg: &LocalConfig) -> relay_shared::delivery::DeliverySettings {
+    use relay_shared::webhook::UrlPolicy;
+    relay_shared::delivery::DeliverySettings {
+        policy: if cfg.webhook_allow_loopback { UrlPolicy::AllowLoopback } else { UrlPolicy::PublicHttps },
+        ..Default::default()
     }
 }
 
@@ -288,6 +348,11 @@ async fn ensure_table(endpoint: &str) -> anyhow::Result<String> {
     let client = client_for(endpoint);
     if client.describe_table().table_name(TABLE).send().await.is_err() {
         schema::create_table(&client, TABLE).await.context("creating the task table")?;
+    } else {
+        let added = schema::migrate(&client, TABLE).await.context("adding the task table's new indexes")?;
+        if !added.is_empty() {
+            tracing::info!(event = "table_migrated", indexes = ?added, "added indexes an earlier version lacked");
+        }
     }
     Ok(TABLE.into())
 }
@@ -343,6 +408,7 @@ pub async fn start(cfg: &LocalConfig, opts: Options) -> anyhow::Result<Running> 
         callback_base_url: callback_base,
         clock: clock.clone(),
         dead_letters: Arc::new(queue.clone()),
+        delivery_policy: delivery_settings(cfg).policy,
     });
     relay.callback.recent = relay_callback::RecentResults::new(cfg.recent_results);
     if let Some(g) = cfg.callback_grace_secs {
@@ -402,6 +468,33 @@ pub async fn start(cfg: &LocalConfig, opts: Options) -> anyhow::Result<Running> 
             }
             tokio::select! {
                 _ = tokio::time::sleep(every) => {}
+                _ = rx.wait_for(|s| *s) => break,
+            }
+        }
+    });
+    let (keys, _) = cfg.webhook_keys()?;
+    let deliverer = Arc::new(relay_shared::delivery::Deliverer::new(
+        store.clone(),
+        relay_shared::delivery::KeySource::new(keys, Some(store.clone())),
+        delivery_settings(cfg),
+    )?);
+    let (mut rx, clock3) = (stop_rx.clone(), clock.clone());
+    workers.spawn(async move {
+        // The pushes owed: swept once a second (the stream's part on AWS), retries as they fall
+        // due. Killed mid-way, a claim lapses with its lease and the push is sent again, under
+        // the same webhook-id.
+        loop {
+            let deadline = clock3.now().plus(Duration::from_secs(55));
+            tokio::select! {
+                report = deliverer.sweep(clock3.clone(), deadline) => {
+                    if report != relay_shared::delivery::SweepReport::default() {
+                        tracing::debug!(?report, "local delivery sweep");
+                    }
+                }
+                _ = rx.wait_for(|s| *s) => break,
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
                 _ = rx.wait_for(|s| *s) => break,
             }
         }

@@ -40,6 +40,7 @@ async fn start(cfg: FakeConfig) -> anyhow::Result<Running> {
         callback_base_url: base.clone(),
         clock: Arc::new(SystemClock),
         dead_letters: Arc::new(relay_shared::testkit::MemorySink::default()),
+        delivery_policy: relay_shared::webhook::UrlPolicy::PublicHttps,
     }));
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     tokio::spawn(relay_local::serve(listener, relay, async move {

@@ -8,6 +8,12 @@
 //!   relay-ops keys create <name>         a relay key for /in.php and /res.php, printed once (TABLE_NAME)
 //!   relay-ops keys list [--json]         names, digest prefixes, created, revoked (never a key)
 //!   relay-ops keys revoke <name> [--digest <prefix>]
+//!   relay-ops deliveries list [--since 24h] [--until <time>] [--max 100] [--json]
+//!                                        parked pushes to owners' callbacks (TABLE_NAME)
+//!   relay-ops deliveries replay (--task <ref>... | --since <time> [--until <time>]) [--max N]
+//!   relay-ops webhooks rotate --owner <name>   a new signing secret, printed once; the old one
+//!                                              still signs until `webhooks retire`
+//!   relay-ops webhooks retire --owner <name>   stop signing with the previous secret
 //!
 //! The table comes from `--table-name` / `TABLE_NAME` (the stack's `TasksTableName` output).
 //! Queues come from `--poison-queue-url` / `POISON_QUEUE_URL` and `--dead-letter-queue-url` /
@@ -65,6 +71,54 @@ enum KeysCmd {
 }
 
 #[derive(Subcommand)]
+enum DeliveriesCmd {
+    /// Parked pushes (every attempt failed, or the URL was refused when sending), oldest first.
+    List {
+        /// Parked since: RFC 3339 or a span ago (`24h`, `7d`).
+        #[arg(long, default_value = "7d")]
+        since: String,
+        /// Parked until (default: now).
+        #[arg(long)]
+        until: Option<String>,
+        #[arg(long, default_value_t = 100)]
+        max: usize,
+        /// A JSON array instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Make pushes due again now, with a fresh set of attempts (same webhook-id for the same
+    /// result): the named tasks, or every push parked in a time range.
+    Replay {
+        /// A task reference (or compat id); repeat for several.
+        #[arg(long = "task", value_name = "REF")]
+        tasks: Vec<String>,
+        /// Every push parked since (RFC 3339 or `24h`).
+        #[arg(long, conflicts_with = "tasks")]
+        since: Option<String>,
+        #[arg(long, requires = "since")]
+        until: Option<String>,
+        #[arg(long, default_value_t = 10_000)]
+        max: usize,
+    },
+}
+
+#[derive(Subcommand)]
+enum WebhooksCmd {
+    /// A new signing secret for <owner> (a relay key's name, or `default` for POST /tasks),
+    /// printed alone on stdout, once. Pushes are signed with it and the previous one until
+    /// `retire`: receivers can switch without losing a delivery.
+    Rotate {
+        #[arg(long)]
+        owner: String,
+    },
+    /// Stop signing <owner>'s pushes with the previous secret.
+    Retire {
+        #[arg(long)]
+        owner: String,
+    },
+}
+
+#[derive(Subcommand)]
 enum Cmd {
     /// List poisoned messages (solutions redacted unless --reveal).
     List {
@@ -96,6 +150,81 @@ enum Cmd {
         #[command(subcommand)]
         cmd: KeysCmd,
     },
+    /// Pushes of results to owners' callbacks: list the parked ones, replay them.
+    Deliveries {
+        #[command(subcommand)]
+        cmd: DeliveriesCmd,
+    },
+    /// The secrets owners' pushes are signed with.
+    Webhooks {
+        #[command(subcommand)]
+        cmd: WebhooksCmd,
+    },
+}
+
+async fn deliveries(store: &relay_shared::store::TaskStore, cmd: DeliveriesCmd) -> anyhow::Result<()> {
+    use relay_ops::deliveries::{self as d, parse_time};
+    let now = relay_shared::time::Clock::now(&relay_shared::time::SystemClock);
+    let time = |t: &str| parse_time(t, now).map_err(anyhow::Error::msg);
+    match cmd {
+        DeliveriesCmd::List { since, until, max, json } => {
+            let to = until.as_deref().map(time).transpose()?.unwrap_or(now);
+            let rows = d::list(store, time(&since)?, to, max).await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&rows)?);
+            } else {
+                print!("{}", d::render_table(&rows));
+                eprintln!("{} parked push(es)", rows.len());
+            }
+        }
+        DeliveriesCmd::Replay { tasks, since, until, max } => {
+            let done = match since {
+                Some(since) => {
+                    let to = until.as_deref().map(time).transpose()?.unwrap_or(now);
+                    d::replay_parked(store, time(&since)?, to, max, now).await?
+                }
+                None if tasks.is_empty() => anyhow::bail!("name tasks with --task <ref>, or a range with --since"),
+                None => d::replay_tasks(store, &tasks, now).await?,
+            };
+            for (r, why) in &done.skipped {
+                eprintln!("skipped {r}: {why}");
+            }
+            println!("{} push(es) due again now", done.replayed.len());
+        }
+    }
+    Ok(())
+}
+
+async fn webhooks(store: &relay_shared::store::TaskStore, cmd: WebhooksCmd) -> anyhow::Result<()> {
+    use relay_shared::webhook::{SigningKeys, WebhookSecret};
+    match cmd {
+        WebhooksCmd::Rotate { owner } => {
+            let (_, new) = WebhookSecret::generate();
+            let current = store.webhook_secrets(&owner).await?;
+            let previous = current.as_deref().and_then(|c| c.split([',', ' ']).find(|p| !p.trim().is_empty()));
+            let text = match previous {
+                Some(p) => format!("{new},{}", p.trim()),
+                None => new.clone(),
+            };
+            SigningKeys::parse_list(&text)?;
+            store.put_webhook_secrets(&owner, &text).await?;
+            println!("{new}");
+            eprintln!(
+                "pushes for `{owner}` are now signed with this secret{}; within a minute every worker uses it",
+                if previous.is_some() { " and the previous one (retire it once receivers switched)" } else { "" }
+            );
+        }
+        WebhooksCmd::Retire { owner } => {
+            let Some(current) = store.webhook_secrets(&owner).await? else {
+                anyhow::bail!("`{owner}` has no secret of its own (its pushes use the deployment's WEBHOOK_SECRETS)");
+            };
+            let first = current.split([',', ' ']).find(|p| !p.trim().is_empty()).unwrap_or_default().trim();
+            SigningKeys::parse_list(first)?;
+            store.put_webhook_secrets(&owner, first).await?;
+            eprintln!("`{owner}`'s pushes are signed with its current secret only");
+        }
+    }
+    Ok(())
 }
 
 fn task_store(aws: &aws_config::SdkConfig, table: Option<String>) -> anyhow::Result<relay_shared::store::TaskStore> {
@@ -154,6 +283,8 @@ async fn main() -> anyhow::Result<()> {
     let aws = relay_shared::aws_config().await;
     let cmd = match cli.cmd {
         Cmd::Keys { cmd } => return keys(&task_store(&aws, cli.table_name)?, cmd).await,
+        Cmd::Deliveries { cmd } => return deliveries(&task_store(&aws, cli.table_name)?, cmd).await,
+        Cmd::Webhooks { cmd } => return webhooks(&task_store(&aws, cli.table_name)?, cmd).await,
         cmd => cmd,
     };
     if let Cmd::Breaker { cmd } = &cmd {
@@ -187,7 +318,7 @@ async fn main() -> anyhow::Result<()> {
     let poison = queue(cli.poison_queue_url, "poison-queue-url")?;
     let dlq = queue(cli.dead_letter_queue_url, "dead-letter-queue-url")?;
     match cmd {
-        Cmd::Breaker { .. } | Cmd::Keys { .. } => {}
+        Cmd::Breaker { .. } | Cmd::Keys { .. } | Cmd::Deliveries { .. } | Cmd::Webhooks { .. } => {}
         Cmd::List { max, reveal } => {
             let msgs = relay_ops::list(&poison, max).await?;
             for m in &msgs {

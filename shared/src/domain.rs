@@ -425,9 +425,72 @@ pub struct Task {
     /// From then on the result never changes; before, a different result *received* earlier
     /// than the recorded one replaces it (first received wins, not first stored).
     pub handed_out_at: Option<Timestamp>,
-    /// The owner's own callback URL (`pingback` of the 2captcha-compatible `in.php`): kept and
-    /// shown; pushing results to it is the outbound delivery's work.
+    /// The owner's own callback URL (`callback_url` of `POST /tasks`, `pingback` of the
+    /// 2captcha-compatible `in.php`): the task's result is pushed there (see
+    /// [`crate::delivery`]).
     pub owner_callback: Option<String>,
+    /// Whose webhook secret signs the pushes: the relay key's name for compat tasks, `default`
+    /// for `POST /tasks`.
+    pub webhook_owner: Option<String>,
+    /// Where the push of its result stands (only a task with an owner callback has one).
+    pub delivery: Option<DeliveryState>,
+}
+
+/// Where the push of a task's result to its owner's callback stands.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct DeliveryState {
+    pub status: DeliveryStatus,
+    /// Attempts made for the current result (a claim counts one before it is sent).
+    pub attempts: u32,
+    /// When the next attempt is due (while pending or retrying).
+    pub next_attempt_at: Option<Timestamp>,
+    pub last_attempt_at: Option<Timestamp>,
+    /// What the last attempt got: `HTTP 500`, `timeout`, … (never a response body).
+    pub last_outcome: Option<String>,
+    pub delivered_at: Option<Timestamp>,
+    /// The `webhook-id` last delivered: the same result is never pushed under another id.
+    pub delivered_id: Option<String>,
+    pub parked_at: Option<Timestamp>,
+}
+
+/// The push's status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DeliveryStatus {
+    /// Nothing to push yet: the task is still open.
+    #[default]
+    Waiting,
+    /// Due now (the first attempt, or a replay).
+    Pending,
+    /// An attempt failed; the next is scheduled.
+    Retrying,
+    /// The owner's endpoint answered 2xx.
+    Delivered,
+    /// Every attempt failed, or the URL was refused at send time: kept for an operator to list
+    /// and replay.
+    Parked,
+    /// The owner's endpoint answered 410: no more attempts.
+    Gone,
+}
+
+impl DeliveryStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Waiting => "waiting",
+            Self::Pending => "pending",
+            Self::Retrying => "retrying",
+            Self::Delivered => "delivered",
+            Self::Parked => "parked",
+            Self::Gone => "gone",
+        }
+    }
+
+    pub fn parse(s: &str) -> Result<Self, ParseError> {
+        [Self::Waiting, Self::Pending, Self::Retrying, Self::Delivered, Self::Parked, Self::Gone]
+            .into_iter()
+            .find(|v| v.as_str() == s)
+            .ok_or_else(|| ParseError(format!("unknown delivery status `{s}`")))
+    }
 }
 
 /// A transition that the current state does not allow.
@@ -471,6 +534,8 @@ impl Task {
             state: TaskState::Submitting { unknown: None },
             handed_out_at: None,
             owner_callback: None,
+            webhook_owner: None,
+            delivery: None,
         }
     }
 
@@ -611,6 +676,66 @@ impl Task {
         }
     }
 
+    /// The 2captcha answer for this task at `now`, as `res.php?action=get` gives it and a
+    /// 2captcha pingback carries it as `code`: `(true, token)` while the token is fresh,
+    /// otherwise `(false, code)` — `CAPCHA_NOT_READY`, `ERROR_TOKEN_EXPIRED` (a token past its
+    /// lifetime is never handed out), CaptchaAI's error code, or `ERROR_CAPTCHA_UNSOLVABLE` for a
+    /// task that expired without a result.
+    pub fn compat_answer(&self, now: Timestamp) -> (bool, String) {
+        let fresh_or_expired = |solution: &Solution, clock: Timestamp| {
+            if self.kind.token_lifetime().is_some_and(|life| now >= clock.plus(life)) {
+                (false, "ERROR_TOKEN_EXPIRED".to_owned())
+            } else {
+                (true, solution.expose().to_owned())
+            }
+        };
+        match &self.state {
+            TaskState::Submitting { .. } | TaskState::Pending { .. } => (false, "CAPCHA_NOT_READY".into()),
+            TaskState::Solved { solution, token_clock_start, .. } => fresh_or_expired(solution, *token_clock_start),
+            TaskState::Failed { code, .. } => (false, code.as_ref().to_owned()),
+            TaskState::Expired { late, .. } => match late {
+                Some(l) => match &l.outcome {
+                    Outcome::Solved(s) => fresh_or_expired(s, l.token_clock_start),
+                    Outcome::Failed(c) => (false, c.as_ref().to_owned()),
+                },
+                None => (false, "ERROR_CAPTCHA_UNSOLVABLE".into()),
+            },
+        }
+    }
+
+    /// The `webhook-id` of a push of this task's result: the same for the same result, however
+    /// often it is sent (owners de-duplicate on it), different when the result changes (a
+    /// replacement, a late result). `None` while the task is open.
+    pub fn webhook_id(&self) -> Option<String> {
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        h.update(self.task_ref.as_ref().as_bytes());
+        let mut part = |b: &str| {
+            h.update([0]);
+            h.update(b.as_bytes());
+        };
+        match &self.state {
+            TaskState::Submitting { .. } | TaskState::Pending { .. } => return None,
+            TaskState::Solved { solution, .. } => {
+                part("solved");
+                part(solution.expose());
+            }
+            TaskState::Failed { code, .. } => {
+                part("failed");
+                part(code.as_ref());
+            }
+            TaskState::Expired { late, .. } => {
+                part("expired");
+                match late.as_ref().map(|l| &l.outcome) {
+                    Some(Outcome::Solved(s)) => part(s.expose()),
+                    Some(Outcome::Failed(c)) => part(c.as_ref()),
+                    None => {}
+                }
+            }
+        }
+        Some(format!("msg_{}", &hex::encode(h.finalize())[..32]))
+    }
+
     /// What the task looks like to its owner at `now`. A solution past its lifetime is
     /// reported as expired and is not handed out.
     pub fn view(&self, now: Timestamp) -> TaskView {
@@ -630,6 +755,16 @@ impl Task {
             late_result: None,
             submit_outcome: None,
             callback_url: self.owner_callback.clone(),
+            delivery: self.delivery.as_ref().map(|d| DeliveryView {
+                status: d.status,
+                attempts: d.attempts,
+                webhook_id: d.delivered_id.clone(),
+                next_attempt_at: d.next_attempt_at.map(Timestamp::to_rfc3339),
+                last_attempt_at: d.last_attempt_at.map(Timestamp::to_rfc3339),
+                last_outcome: d.last_outcome.clone(),
+                delivered_at: d.delivered_at.map(Timestamp::to_rfc3339),
+                parked_at: d.parked_at.map(Timestamp::to_rfc3339),
+            }),
         };
         match &self.state {
             TaskState::Submitting { unknown: None } => {}
@@ -742,6 +877,29 @@ pub struct TaskView {
     /// The owner's own callback URL, if the task was given one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub callback_url: Option<String>,
+    /// Where the push to `callback_url` stands.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub delivery: Option<DeliveryView>,
+}
+
+/// The push of a result to the owner's callback, in `GET /tasks/{ref}`.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct DeliveryView {
+    pub status: DeliveryStatus,
+    pub attempts: u32,
+    /// The `webhook-id` of the last push delivered.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub webhook_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub next_attempt_at: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_attempt_at: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_outcome: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub delivered_at: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parked_at: Option<String>,
 }
 
 #[cfg(test)]

@@ -5,6 +5,7 @@ pub mod captchaai;
 pub mod codes;
 pub mod config;
 pub mod deadletter;
+pub mod delivery;
 pub mod domain;
 pub mod http;
 pub mod retry;
@@ -12,6 +13,7 @@ pub mod secrets;
 pub mod signing;
 pub mod store;
 pub mod telemetry;
+pub mod webhook;
 
 /// Timestamps and clocks (the `relay-time` crate, so the fake CaptchaAI can share them).
 pub use relay_time as time;

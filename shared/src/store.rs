@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use aws_sdk_dynamodb::Client;
 use aws_sdk_dynamodb::error::{ProvideErrorMetadata, SdkError};
+use aws_sdk_dynamodb::operation::update_item::builders::UpdateItemFluentBuilder;
 use aws_sdk_dynamodb::types::{AttributeValue, ReturnValue, ReturnValuesOnConditionCheckFailure};
 
 use crate::codes::ErrorCode;
@@ -28,7 +29,9 @@ pub const DUE_INDEX: &str = "due-for-poll";
 /// The index is spread over this many partitions (`poll_shard` 0..N) so no key runs hot.
 pub const POLL_SHARDS: u8 = 4;
 
+pub mod deliveries;
 pub mod relay_keys;
+pub use deliveries::{DELIVERY_INDEX, DeliveryFinish, DueDelivery};
 pub use relay_keys::{KeyCheck, KeyInfo, RelayKeys};
 
 mod attr {
@@ -58,6 +61,31 @@ mod attr {
     pub const LATE_CLOCK: &str = "late_clock";
     pub const HANDED_OUT_AT: &str = "handed_out_at";
     pub const OWNER_CALLBACK: &str = "owner_callback";
+    pub const WEBHOOK_OWNER: &str = "webhook_owner";
+    // The push of the result to the owner's callback (see `deliveries`).
+    pub const DLV_SHARD: &str = "dlv_shard";
+    pub const DLV_DUE: &str = "dlv_due";
+    pub const DLV_STATUS: &str = "dlv_status";
+    pub const DLV_ATTEMPTS: &str = "dlv_attempts";
+    pub const DLV_LAST: &str = "dlv_last";
+    pub const DLV_LAST_AT: &str = "dlv_last_at";
+    pub const DLV_DONE_ID: &str = "dlv_done_id";
+    pub const DLV_DONE_AT: &str = "dlv_done_at";
+    pub const DLV_PARKED_AT: &str = "dlv_parked_at";
+}
+
+/// What every terminal write adds: the push of the result becomes due, in the same write (the
+/// transactional outbox). Only items with `dlv_shard` (those with an owner callback) appear in
+/// the due-for-delivery index; on the rest these attributes are inert.
+const DELIVERY_DUE: &str = "dlv_due = :dnow, dlv_status = :dpending, dlv_attempts = :dzero";
+/// ... and what it clears: a parked push of an earlier result, a lease on it.
+const DELIVERY_CLEAR: &str = "dlv_parked_at, dlv_lease";
+
+/// The values [`DELIVERY_DUE`] refers to.
+fn delivery_due(req: UpdateItemFluentBuilder, now: Timestamp) -> UpdateItemFluentBuilder {
+    req.expression_attribute_values(":dnow", n(now.as_millis()))
+        .expression_attribute_values(":dpending", s(crate::domain::DeliveryStatus::Pending.as_str()))
+        .expression_attribute_values(":dzero", n(0))
 }
 
 /// An open task as the due-for-poll index lists it, with the poller's bookkeeping.
@@ -340,7 +368,22 @@ impl TryFrom<&Item> for Task {
         };
         let handed_out_at = get_ts(item, HANDED_OUT_AT)?;
         let owner_callback = get_s(item, OWNER_CALLBACK)?.map(str::to_owned);
-        Ok(Task { task_ref, kind, created_at, captcha_id, state, handed_out_at, owner_callback })
+        let webhook_owner = get_s(item, WEBHOOK_OWNER)?.map(str::to_owned);
+        let delivery = match owner_callback {
+            Some(_) => Some(deliveries::state(item)?),
+            None => None,
+        };
+        Ok(Task {
+            task_ref,
+            kind,
+            created_at,
+            captcha_id,
+            state,
+            handed_out_at,
+            owner_callback,
+            webhook_owner,
+            delivery,
+        })
     }
 }
 
@@ -429,6 +472,11 @@ impl TaskStore {
         }
         if let Some(url) = &task.owner_callback {
             item.insert(OWNER_CALLBACK.to_owned(), s(url));
+            item.insert(DLV_SHARD.to_owned(), n(u64::from(task.task_ref.shard(POLL_SHARDS))));
+            item.insert(
+                WEBHOOK_OWNER.to_owned(),
+                s(task.webhook_owner.as_deref().unwrap_or(deliveries::DEFAULT_OWNER)),
+            );
         }
         let res = self
             .client
@@ -619,19 +667,22 @@ impl TaskStore {
             .expression_attribute_values(":ttl", self.ttl(d.received_at))
             .return_values(ReturnValue::AllOld)
             .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld);
+        req = delivery_due(req, d.received_at);
         const COMMON: &str = "captcha_id = :id, resolved_at = :at, resolved_via = :via, expires_ttl = :ttl";
         const CLEAR: &str = "REMOVE poll_due_at, poll_shard, lease_owner, error_detail, submit_unknown";
         req = match &d.outcome {
             Outcome::Solved(solution) => req
                 .update_expression(format!(
-                    "SET #state = :solved, solution = :solution, token_clock_start = :clock, {COMMON} {CLEAR}, error_code"
+                    "SET #state = :solved, solution = :solution, token_clock_start = :clock, {COMMON}, {DELIVERY_DUE} \
+                     {CLEAR}, {DELIVERY_CLEAR}, error_code"
                 ))
                 .expression_attribute_values(":solution", s(solution.expose()))
                 .expression_attribute_values(":clock", n(d.token_clock_start.as_millis())),
             Outcome::Failed(code) => req
                 // A verdict received earlier can replace a solution: no token stays on a failed task.
                 .update_expression(format!(
-                    "SET #state = :failedstate, error_code = :code, {COMMON} {CLEAR}, solution, token_clock_start"
+                    "SET #state = :failedstate, error_code = :code, {COMMON}, {DELIVERY_DUE} \
+                     {CLEAR}, {DELIVERY_CLEAR}, solution, token_clock_start"
                 ))
                 .expression_attribute_values(":failedstate", s("failed"))
                 .expression_attribute_values(":code", s(code.as_ref())),
@@ -682,7 +733,10 @@ impl TaskStore {
             .update_item()
             .table_name(&self.table)
             .key(attr::PK, s(task_ref.as_ref()))
-            .update_expression("SET late_code = :code, late_at = :at, late_via = :via, late_clock = :clock")
+            .update_expression(format!(
+                "SET late_code = :code, late_at = :at, late_via = :via, late_clock = :clock, {DELIVERY_DUE} \
+                 REMOVE {DELIVERY_CLEAR}"
+            ))
             .condition_expression("#state = :expired AND attribute_not_exists(late_code) AND resolved_at < :at")
             .expression_attribute_names("#state", attr::STATE)
             .expression_attribute_values(":expired", s("expired"))
@@ -690,9 +744,8 @@ impl TaskStore {
             .expression_attribute_values(":at", n(d.received_at.as_millis()))
             .expression_attribute_values(":via", s(d.via.as_str()))
             .expression_attribute_values(":clock", n(d.token_clock_start.as_millis()))
-            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
-            .send()
-            .await;
+            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld);
+        let res = delivery_due(res, d.received_at).send().await;
         match res {
             Ok(_) => Ok(RecordOutcome::Late(task)),
             // Another late result won the race: classify against it.
@@ -852,10 +905,10 @@ impl TaskStore {
             .update_item()
             .table_name(&self.table)
             .key(attr::PK, s(task_ref.as_ref()))
-            .update_expression(
+            .update_expression(format!(
                 "SET #state = :expired, error_detail = :reason, resolved_at = :now, resolved_via = :via, \
-                 expires_ttl = :ttl REMOVE poll_due_at, poll_shard, lease_owner",
-            )
+                 expires_ttl = :ttl, {DELIVERY_DUE} REMOVE poll_due_at, poll_shard, lease_owner, {DELIVERY_CLEAR}"
+            ))
             .condition_expression("#state IN (:submitting, :pending) AND (poll_due_at <= :now OR lease_owner = :owner)")
             .expression_attribute_names("#state", attr::STATE)
             .expression_attribute_values(":expired", s("expired"))
@@ -865,9 +918,8 @@ impl TaskStore {
             .expression_attribute_values(":via", s(Via::Deadline.as_str()))
             .expression_attribute_values(":ttl", self.ttl(now))
             .expression_attribute_values(":submitting", s("submitting"))
-            .expression_attribute_values(":pending", s("pending"))
-            .send()
-            .await;
+            .expression_attribute_values(":pending", s("pending"));
+        let res = delivery_due(res, now).send().await;
         condition_held(res)
     }
 
@@ -1060,7 +1112,69 @@ pub mod schema {
         ScalarAttributeType, TimeToLiveSpecification,
     };
 
-    use super::{Client, DUE_INDEX, StoreError, attr, sdk_error};
+    use super::{Client, DELIVERY_INDEX, DUE_INDEX, StoreError, attr, sdk_error};
+
+    /// The table's sparse indexes: name, hash key, range key (both numbers), projection.
+    fn indexes() -> [(&'static str, &'static str, &'static str, ProjectionType); 2] {
+        [
+            (DUE_INDEX, attr::POLL_SHARD, attr::POLL_DUE_AT, ProjectionType::All),
+            (DELIVERY_INDEX, attr::DLV_SHARD, attr::DLV_DUE, ProjectionType::KeysOnly),
+        ]
+    }
+
+    fn gsi(
+        name: &str,
+        hash: &str,
+        range: &str,
+        projection: ProjectionType,
+    ) -> Result<GlobalSecondaryIndex, StoreError> {
+        GlobalSecondaryIndex::builder()
+            .index_name(name)
+            .key_schema(key(hash, KeyType::Hash)?)
+            .key_schema(key(range, KeyType::Range)?)
+            .projection(Projection::builder().projection_type(projection).build())
+            .build()
+            .map_err(|e| StoreError::Rejected(e.to_string()))
+    }
+
+    /// Adds the indexes a table made by an earlier version lacks (local mode's data directory
+    /// outlives upgrades). One UpdateTable per missing index.
+    pub async fn migrate(client: &Client, table: &str) -> Result<Vec<&'static str>, StoreError> {
+        let out = client.describe_table().table_name(table).send().await.map_err(sdk_error)?;
+        let have: Vec<String> = out
+            .table
+            .and_then(|t| t.global_secondary_indexes)
+            .unwrap_or_default()
+            .into_iter()
+            .filter_map(|i| i.index_name)
+            .collect();
+        let mut added = Vec::new();
+        for (index, hash, range, projection) in indexes() {
+            if have.iter().any(|h| h == index) {
+                continue;
+            }
+            let create = aws_sdk_dynamodb::types::CreateGlobalSecondaryIndexAction::builder()
+                .index_name(index)
+                .key_schema(key(hash, KeyType::Hash)?)
+                .key_schema(key(range, KeyType::Range)?)
+                .projection(Projection::builder().projection_type(projection).build())
+                .build()
+                .map_err(|e| StoreError::Rejected(e.to_string()))?;
+            client
+                .update_table()
+                .table_name(table)
+                .attribute_definitions(def(hash, ScalarAttributeType::N)?)
+                .attribute_definitions(def(range, ScalarAttributeType::N)?)
+                .global_secondary_index_updates(
+                    aws_sdk_dynamodb::types::GlobalSecondaryIndexUpdate::builder().create(create).build(),
+                )
+                .send()
+                .await
+                .map_err(sdk_error)?;
+            added.push(index);
+        }
+        Ok(added)
+    }
 
     fn key(name: &str, t: KeyType) -> Result<KeySchemaElement, StoreError> {
         KeySchemaElement::builder()
@@ -1080,25 +1194,19 @@ pub mod schema {
 
     /// Creates the task table with its due-for-poll index and TTL.
     pub async fn create_table(client: &Client, table: &str) -> Result<(), StoreError> {
-        let index = GlobalSecondaryIndex::builder()
-            .index_name(DUE_INDEX)
-            .key_schema(key(attr::POLL_SHARD, KeyType::Hash)?)
-            .key_schema(key(attr::POLL_DUE_AT, KeyType::Range)?)
-            .projection(Projection::builder().projection_type(ProjectionType::All).build())
-            .build()
-            .map_err(|e| StoreError::Rejected(e.to_string()))?;
-        client
+        let mut req = client
             .create_table()
             .table_name(table)
             .billing_mode(BillingMode::PayPerRequest)
             .attribute_definitions(def(attr::PK, ScalarAttributeType::S)?)
-            .attribute_definitions(def(attr::POLL_SHARD, ScalarAttributeType::N)?)
-            .attribute_definitions(def(attr::POLL_DUE_AT, ScalarAttributeType::N)?)
-            .key_schema(key(attr::PK, KeyType::Hash)?)
-            .global_secondary_indexes(index)
-            .send()
-            .await
-            .map_err(sdk_error)?;
+            .key_schema(key(attr::PK, KeyType::Hash)?);
+        for (index, hash, range, projection) in indexes() {
+            req = req
+                .attribute_definitions(def(hash, ScalarAttributeType::N)?)
+                .attribute_definitions(def(range, ScalarAttributeType::N)?)
+                .global_secondary_indexes(gsi(index, hash, range, projection)?);
+        }
+        req.send().await.map_err(sdk_error)?;
         client
             .update_time_to_live()
             .table_name(table)

@@ -12,6 +12,8 @@ use aws_sdk_dynamodb::config::{BehaviorVersion, Credentials, Region};
 
 use crate::store::{TaskStore, schema};
 
+pub mod receiver;
+
 /// A running engine. Dropping it stops the embedded server.
 pub struct LocalDynamo {
     pub endpoint: String,

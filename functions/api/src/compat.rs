@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use base64::Engine;
 use lambda_http::{Body, Request, Response};
 use relay_shared::captchaai::{Browser, CaptchaAiError, MAX_IMAGE_BASE64, SubmitRequest};
-use relay_shared::domain::{Outcome, Task, TaskRef, TaskState};
+use relay_shared::domain::{Task, TaskRef, TaskState};
 use relay_shared::http::{parse_form, query_string};
 use relay_shared::store::KeyCheck;
 use sha2::{Digest, Sha256};
@@ -416,16 +416,16 @@ fn captcha(p: &Params) -> Result<SubmitRequest, (&'static str, String)> {
     Ok(req)
 }
 
-/// The owner's own callback URL (`pingback`): kept on the task.
-fn owner_pingback(p: &Params) -> Result<Option<String>, String> {
+/// The owner's own callback URL (`pingback`): results are pushed there, in 2captcha's pingback
+/// form. Checked as any owner URL is (https, public addresses only on AWS).
+fn owner_pingback(p: &Params, deps: &Deps) -> Result<Option<String>, String> {
     let Some(url) = p.get("pingback") else { return Ok(None) };
-    if url.len() > 2048 || url.chars().any(char::is_control) {
+    if url.chars().any(char::is_control) {
         return Err("`pingback` must be a URL of at most 2048 characters".into());
     }
-    if !(url.starts_with("https://") || url.starts_with("http://")) {
-        return Err("`pingback` must be an http(s) URL".into());
-    }
-    Ok(Some(url.to_owned()))
+    relay_shared::delivery::check_owner_url(url, deps.delivery_policy)
+        .map(Some)
+        .map_err(|why| format!("`pingback` refused: {why}"))
 }
 
 /// A code CaptchaAI or 2captcha could have answered (what an SDK expects to see).
@@ -439,9 +439,10 @@ pub async fn in_php(req: &Request, deps: &Deps) -> Response<Body> {
         Ok(p) => p,
         Err(r) => return r,
     };
-    if let Err(r) = authorise(&p, deps).await {
-        return r;
-    }
+    let key_name = match authorise(&p, deps).await {
+        Ok(name) => name,
+        Err(r) => return r,
+    };
     let submit = match captcha(&p) {
         Ok(s) => s,
         Err((code, text)) => {
@@ -449,7 +450,7 @@ pub async fn in_php(req: &Request, deps: &Deps) -> Response<Body> {
             return answer(&p, false, code, Some(&text));
         }
     };
-    let owner_callback = match owner_pingback(&p) {
+    let owner_callback = match owner_pingback(&p, deps) {
         Ok(u) => u,
         Err(text) => return answer(&p, false, "ERROR_BAD_PARAMETERS", Some(&text)),
     };
@@ -485,7 +486,8 @@ pub async fn in_php(req: &Request, deps: &Deps) -> Response<Body> {
         Some(k) => TaskRef::compat_from_digest(&Sha256::digest(format!("compat\0{k}").as_bytes())),
         None => TaskRef::generate_compat(),
     };
-    let input = SubmitInput { submit, fingerprint, keyed: idem.is_some(), task_ref, owner_callback };
+    let webhook_owner = owner_callback.as_ref().map(|_| key_name);
+    let input = SubmitInput { submit, fingerprint, keyed: idem.is_some(), task_ref, owner_callback, webhook_owner };
     let outcome = submit_task(req, deps, input).await;
     metrics::counter!("compat_requests", "outcome" => "submit").increment(1);
     let id_of = |t: &Task| t.task_ref.compat_id().map(|i| i.to_string()).unwrap_or_default();
@@ -564,28 +566,7 @@ async fn read_one(raw_id: &str, deps: &Deps) -> Result<(bool, String), relay_sha
         // Still changing after several rounds: not ready to be shown yet.
         Err(Pin::Changing) => return Ok((false, "CAPCHA_NOT_READY".into())),
     };
-    let now = deps.clock.now();
-    Ok(match &task.state {
-        TaskState::Submitting { .. } | TaskState::Pending { .. } => (false, "CAPCHA_NOT_READY".into()),
-        TaskState::Solved { solution, .. } => {
-            if task.solution_expires_at().is_some_and(|e| now >= e) {
-                (false, "ERROR_TOKEN_EXPIRED".into())
-            } else {
-                (true, solution.expose().to_owned())
-            }
-        }
-        TaskState::Failed { code, .. } => (false, code.as_ref().to_owned()),
-        TaskState::Expired { late, .. } => match late {
-            Some(l) => match &l.outcome {
-                Outcome::Solved(s) => {
-                    let fresh = task.kind.token_lifetime().is_none_or(|life| now < l.token_clock_start.plus(life));
-                    if fresh { (true, s.expose().to_owned()) } else { (false, "ERROR_TOKEN_EXPIRED".into()) }
-                }
-                Outcome::Failed(c) => (false, c.as_ref().to_owned()),
-            },
-            None => (false, "ERROR_CAPTCHA_UNSOLVABLE".into()),
-        },
-    })
+    Ok(task.compat_answer(deps.clock.now()))
 }
 
 /// `/res.php`.

@@ -30,6 +30,7 @@ use relay_shared::retry::backoff_delay;
 use relay_shared::signing::CallbackSigner;
 use relay_shared::store::{Created, SubmitRecorded, TaskStore};
 use relay_shared::time::{Clock, Timestamp};
+use relay_shared::webhook::UrlPolicy;
 use sha2::{Digest, Sha256};
 
 /// Largest `POST /tasks` body (an image task carries up to ~140 KiB of base64).
@@ -63,6 +64,9 @@ pub struct Deps {
     pub relay_keys: relay_shared::store::RelayKeys,
     /// Per-instance state of those routes (balance cache, per-key read limits).
     pub compat: compat::CompatState,
+    /// Which owner callback URLs (`callback_url`, `pingback`) a task may carry
+    /// (`DELIVERY_URL_POLICY`; on AWS public https only).
+    pub delivery_policy: UrlPolicy,
 }
 
 /// How many seconds a submit over the account-wide pace waits for a slot before it is refused.
@@ -93,6 +97,7 @@ impl Deps {
         Ok(Self {
             relay_keys: relay_shared::store::RelayKeys::new(Some(store.clone())),
             compat: compat::CompatState::default(),
+            delivery_policy: relay_shared::delivery::url_policy(&env)?,
             store,
             captchaai: CaptchaAiClient::new(
                 &cfg.captchaai.base_url,
@@ -150,7 +155,11 @@ enum Route {
 
 /// A parsed submit: the request, and the fingerprint of its body (canonical JSON, so key order
 /// and whitespace do not matter) for idempotency checks.
-fn parse_submit(req: &Request) -> Result<(SubmitRequest, String), Response<Body>> {
+/// A parsed `POST /tasks` body: the captcha, the fingerprint of the whole body, and the owner's
+/// callback URL (`callback_url`), checked.
+type ParsedSubmit = (SubmitRequest, String, Option<String>);
+
+fn parse_submit(req: &Request, policy: UrlPolicy) -> Result<ParsedSubmit, Response<Body>> {
     let body: &[u8] = req.body().as_ref();
     if body.len() > MAX_BODY {
         return Err(problem(413, "body_too_large", format!("the body is over {MAX_BODY} bytes")));
@@ -161,12 +170,21 @@ fn parse_submit(req: &Request) -> Result<(SubmitRequest, String), Response<Body>
     }
     let value: serde_json::Value =
         serde_json::from_slice(body).map_err(|e| problem(400, "invalid_request", e.to_string()))?;
-    let submit: SubmitRequest =
-        serde_json::from_value(value.clone()).map_err(|e| problem(400, "invalid_request", e.to_string()))?;
-    submit.validate().map_err(|e| problem(400, "invalid_request", e.0))?;
     // serde_json's maps are ordered by key: the text is canonical.
     let fingerprint = hex::encode(Sha256::digest(value.to_string().as_bytes()));
-    Ok((submit, fingerprint))
+    let mut captcha = value;
+    let callback_url = match captcha.as_object_mut().and_then(|o| o.remove("callback_url")) {
+        None | Some(serde_json::Value::Null) => None,
+        Some(serde_json::Value::String(url)) => Some(
+            relay_shared::delivery::check_owner_url(&url, policy)
+                .map_err(|why| problem(400, "invalid_callback_url", format!("`callback_url` refused: {why}")))?,
+        ),
+        Some(_) => return Err(problem(400, "invalid_callback_url", "`callback_url` must be a string (a URL)")),
+    };
+    let submit: SubmitRequest =
+        serde_json::from_value(captcha).map_err(|e| problem(400, "invalid_request", e.to_string()))?;
+    submit.validate().map_err(|e| problem(400, "invalid_request", e.0))?;
+    Ok((submit, fingerprint, callback_url))
 }
 
 /// The `Idempotency-Key` header, if any: 1 to 255 printable ASCII characters.
@@ -231,13 +249,14 @@ fn replay(task: &Task, stored: Option<&str>, fingerprint: &str, now: Timestamp) 
 }
 
 async fn submit(req: &Request, deps: &Deps) -> Result<Response<Body>, Response<Body>> {
-    let (submit, fingerprint) = parse_submit(req)?;
+    let (submit, fingerprint, owner_callback) = parse_submit(req, deps.delivery_policy)?;
     let idem = idempotency_key(req)?;
     let task_ref = match &idem {
         Some(key) => deps.signer.idempotent_ref(&deps.auth.owner(req), key),
         None => TaskRef::generate(),
     };
-    let input = SubmitInput { submit, fingerprint, keyed: idem.is_some(), task_ref, owner_callback: None };
+    let webhook_owner = owner_callback.as_ref().map(|_| relay_shared::store::deliveries::DEFAULT_OWNER.to_owned());
+    let input = SubmitInput { submit, fingerprint, keyed: idem.is_some(), task_ref, owner_callback, webhook_owner };
     Ok(match submit_task(req, deps, input).await {
         Submitted::Accepted(task) => json(202, &task.view(deps.clock.now())),
         Submitted::Replayed { task, stored, fingerprint } => {
@@ -291,6 +310,8 @@ pub(crate) struct SubmitInput {
     pub keyed: bool,
     pub task_ref: TaskRef,
     pub owner_callback: Option<String>,
+    /// Whose webhook secret signs the pushes to `owner_callback`.
+    pub webhook_owner: Option<String>,
 }
 
 /// How a submit ended, for either front to answer in its own form.
@@ -320,10 +341,10 @@ pub(crate) enum Submitted {
 /// The submit itself: breaker, pacing, one conditional put, in.php (retried only after explicit
 /// refusals that invite it), then the id stored or dead-lettered.
 pub(crate) async fn submit_task(req: &Request, deps: &Deps, input: SubmitInput) -> Submitted {
-    let SubmitInput { submit, fingerprint, keyed, task_ref, owner_callback } = input;
+    let SubmitInput { submit, fingerprint, keyed, task_ref, owner_callback, webhook_owner } = input;
     let kind = submit.kind();
     let now = deps.clock.now();
-    let task = Task { owner_callback, ..Task::new(task_ref.clone(), kind, now) };
+    let task = Task { owner_callback, webhook_owner, ..Task::new(task_ref.clone(), kind, now) };
     let span = tracing::info_span!("submit", task_ref = %task_ref, kind = %kind, idempotent = keyed);
     async move {
         // The account-wide breaker: while CaptchaAI bans us, sending more only extends the ban.
@@ -633,6 +654,7 @@ mod tests {
             relay_keys: relay_shared::store::RelayKeys::new(None)
                 .with_fixed("test", &SecretString::from(COMPAT_KEY.to_owned())),
             compat: compat::CompatState::default(),
+            delivery_policy: UrlPolicy::AllowLoopback,
         };
         Ok(World { _db: db, fake, clock, deps })
     }

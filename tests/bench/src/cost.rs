@@ -144,6 +144,7 @@ pub async fn run(opts: &Opts) -> anyhow::Result<String> {
         callback_base_url: "https://relay.example/".into(),
         clock: Arc::new(SystemClock),
         dead_letters: Arc::new(MemorySink::default()),
+        delivery_policy: relay_shared::webhook::UrlPolicy::PublicHttps,
     });
     // As deployed: IAM authorisation at the HTTP API, the template's per-kind grace.
     relay.api.auth = Authorizer::Iam;

@@ -351,6 +351,7 @@ async fn handlers(auth: relay_shared::http::Authorizer) -> anyhow::Result<Handle
         submits_per_second: relay_api::SUBMITS_PER_SECOND,
         relay_keys: relay_shared::store::RelayKeys::new(None),
         compat: relay_api::compat::CompatState::default(),
+        delivery_policy: relay_shared::webhook::UrlPolicy::PublicHttps,
     };
     let callback =
         relay_callback::Deps { store: store.clone(), signer, clock, dead_letters, recent: Default::default() };

@@ -267,6 +267,7 @@ impl World {
             callback_base_url: base.clone(),
             clock: dyn_clock.clone(),
             dead_letters: Arc::new(sink.clone()),
+            delivery_policy: relay_shared::webhook::UrlPolicy::AllowLoopback,
         });
         relay.api.callback_grace = deployed.grace.clone();
         let (stop, stop_rx) = tokio::sync::watch::channel(false);

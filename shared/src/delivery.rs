@@ -1,0 +1,464 @@
+//! Pushing each result to its owner's callback, at least once, signed the Standard Webhooks
+//! way. The same worker runs in the delivery Lambda (woken by the table's stream, and swept
+//! every minute) and in local mode (a loop).
+//!
+//! The outbox is the task item (see [`crate::store::deliveries`]): the terminal write made the
+//! push due. A push is claimed with a lease that counts its attempt, the result is pinned (a
+//! result once pushed never changes, as one shown by `GET /tasks/{ref}`), sent, and the outcome
+//! recorded under the lease. The `webhook-id` follows from the result ([`Task::webhook_id`]):
+//! the same on every retry and replay of the same result, so owners de-duplicate on it.
+//!
+//! Form: a compat task (submitted through `in.php` with `pingback`) gets the 2captcha pingback
+//! its handler already parses, `POST` form `id=<id>&code=<answer>`; other tasks get JSON
+//! `{"type": "task.solved", "timestamp": …, "data": <the task view>}`. Both signed.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use tokio::sync::Semaphore;
+
+use crate::config::{ConfigError, Settings};
+use crate::domain::{Task, TaskState, TaskView};
+use crate::store::deliveries::DEFAULT_OWNER;
+use crate::store::{DeliveryFinish, DueDelivery, POLL_SHARDS, StoreError, TaskStore};
+use crate::time::{Clock, Timestamp};
+use crate::webhook::{AttemptResult, Outgoing, Sender, SigningKeys, UrlPolicy};
+
+/// The push's limits and schedule.
+#[derive(Debug, Clone)]
+pub struct DeliverySettings {
+    /// One request's time limit (`DELIVERY_TIMEOUT_SECS`, default 10).
+    pub timeout: Duration,
+    /// Attempts before a push is parked (`DELIVERY_MAX_ATTEMPTS`, default 7: at once, 5 s,
+    /// 5 min, 30 min, 2 h, 5 h, 10 h).
+    pub max_attempts: u32,
+    /// Requests in flight to one host (`DELIVERY_PER_HOST_CONCURRENCY`, default 4).
+    pub per_host_concurrency: usize,
+    /// Requests a second to one host (`DELIVERY_PER_HOST_PER_SECOND`, default 10).
+    pub per_host_per_second: u32,
+    /// Which owner URLs may be used (`DELIVERY_URL_POLICY`: `public_https`, the default and
+    /// the only one on AWS, or `allow_loopback`, local mode's explicit setting).
+    pub policy: UrlPolicy,
+}
+
+impl Default for DeliverySettings {
+    fn default() -> Self {
+        Self {
+            timeout: Duration::from_secs(10),
+            max_attempts: crate::webhook::MAX_ATTEMPTS,
+            per_host_concurrency: 4,
+            per_host_per_second: 10,
+            policy: UrlPolicy::PublicHttps,
+        }
+    }
+}
+
+/// Reads `DELIVERY_URL_POLICY`.
+pub fn url_policy(env: &Settings) -> Result<UrlPolicy, ConfigError> {
+    match env.optional("DELIVERY_URL_POLICY").as_deref().map(str::trim) {
+        None | Some("public_https") => Ok(UrlPolicy::PublicHttps),
+        Some("allow_loopback") => Ok(UrlPolicy::AllowLoopback),
+        Some(other) => Err(ConfigError::Invalid {
+            name: "DELIVERY_URL_POLICY".into(),
+            reason: format!("`{other}`: use public_https or allow_loopback"),
+        }),
+    }
+}
+
+impl DeliverySettings {
+    pub fn from_settings(env: &Settings) -> Result<Self, ConfigError> {
+        let d = Self::default();
+        let s = Self {
+            timeout: Duration::from_secs(env.parse_or("DELIVERY_TIMEOUT_SECS", d.timeout.as_secs())?),
+            max_attempts: env.parse_or("DELIVERY_MAX_ATTEMPTS", d.max_attempts)?,
+            per_host_concurrency: env.parse_or("DELIVERY_PER_HOST_CONCURRENCY", d.per_host_concurrency)?,
+            per_host_per_second: env.parse_or("DELIVERY_PER_HOST_PER_SECOND", d.per_host_per_second)?,
+            policy: url_policy(env)?,
+        };
+        let bad = |name: &str, reason: &str| Err(ConfigError::Invalid { name: name.into(), reason: reason.into() });
+        if s.timeout.is_zero() || s.timeout > Duration::from_secs(30) {
+            return bad("DELIVERY_TIMEOUT_SECS", "must be 1 to 30");
+        }
+        if s.max_attempts == 0 || s.max_attempts > 12 {
+            return bad("DELIVERY_MAX_ATTEMPTS", "must be 1 to 12");
+        }
+        if s.per_host_concurrency == 0 {
+            return bad("DELIVERY_PER_HOST_CONCURRENCY", "must be at least 1");
+        }
+        if s.per_host_per_second == 0 {
+            return bad("DELIVERY_PER_HOST_PER_SECOND", "must be at least 1");
+        }
+        Ok(s)
+    }
+
+    /// How long a claim holds: the request's limit and the store writes around it.
+    pub fn lease(&self) -> Duration {
+        self.timeout + Duration::from_secs(15)
+    }
+}
+
+/// The secrets pushes are signed with: per owner (kept in the table by `relay-ops webhooks
+/// rotate`), else the deployment's own (`WEBHOOK_SECRETS`). Looked up once a minute per owner.
+pub struct KeySource {
+    default: SigningKeys,
+    store: Option<TaskStore>,
+    cache: Mutex<HashMap<String, (Instant, SigningKeys)>>,
+}
+
+impl std::fmt::Debug for KeySource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("KeySource(<secrets>)")
+    }
+}
+
+impl KeySource {
+    const FRESH: Duration = Duration::from_secs(60);
+
+    pub fn new(default: SigningKeys, store: Option<TaskStore>) -> Self {
+        Self { default, store, cache: Mutex::new(HashMap::new()) }
+    }
+
+    pub async fn keys(&self, owner: &str) -> Result<SigningKeys, StoreError> {
+        let Some(store) = &self.store else { return Ok(self.default.clone()) };
+        if let Some((at, keys)) = self.cache.lock().map_err(|_| poisoned())?.get(owner)
+            && at.elapsed() < Self::FRESH
+        {
+            return Ok(keys.clone());
+        }
+        let keys = match store.webhook_secrets(owner).await? {
+            // A malformed stored value is an operator's mistake: sign with the deployment's
+            // secrets (the owner's verification then fails visibly) rather than not at all.
+            Some(text) => SigningKeys::parse_list(&text).unwrap_or_else(|e| {
+                tracing::error!(event = "webhook_secret_invalid", owner, error = %e);
+                self.default.clone()
+            }),
+            None => self.default.clone(),
+        };
+        self.cache.lock().map_err(|_| poisoned())?.insert(owner.to_owned(), (Instant::now(), keys.clone()));
+        Ok(keys)
+    }
+}
+
+fn poisoned() -> StoreError {
+    StoreError::Rejected("webhook key cache lock poisoned".into())
+}
+
+/// Per destination host: requests in flight and a minimum spacing between starts.
+#[derive(Default)]
+struct HostLimits {
+    hosts: Mutex<HashMap<String, Arc<HostSlot>>>,
+}
+
+struct HostSlot {
+    in_flight: Semaphore,
+    next_start: tokio::sync::Mutex<Instant>,
+}
+
+impl HostLimits {
+    fn slot(&self, host: &str, s: &DeliverySettings) -> Arc<HostSlot> {
+        let mut hosts = self.hosts.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        hosts
+            .entry(host.to_owned())
+            .or_insert_with(|| {
+                Arc::new(HostSlot {
+                    in_flight: Semaphore::new(s.per_host_concurrency),
+                    next_start: tokio::sync::Mutex::new(Instant::now()),
+                })
+            })
+            .clone()
+    }
+}
+
+/// What one sweep did.
+#[derive(Debug, Default, Clone, PartialEq, Eq, Serialize)]
+pub struct SweepReport {
+    pub delivered: u64,
+    pub already_delivered: u64,
+    pub retried: u64,
+    pub parked: u64,
+    pub gone: u64,
+    pub refused: u64,
+    /// Claims another worker or a newer result won.
+    pub lost: u64,
+    pub errors: u64,
+    /// Seconds since the oldest push still owed fell due (0 when none is owed).
+    pub oldest_due_secs: u64,
+    /// Milliseconds from the result's record to its delivery, per delivered push.
+    #[serde(skip)]
+    pub latencies_ms: Vec<u64>,
+}
+
+impl SweepReport {
+    /// Counts one push's outcome.
+    pub fn add(&mut self, o: &Attempt) {
+        match o {
+            Attempt::Delivered { latency_ms } => {
+                self.delivered += 1;
+                self.latencies_ms.push(*latency_ms);
+            }
+            Attempt::AlreadyDelivered => self.already_delivered += 1,
+            Attempt::Retried => self.retried += 1,
+            Attempt::Parked { refused } => {
+                self.parked += 1;
+                self.refused += u64::from(*refused);
+            }
+            Attempt::Gone => self.gone += 1,
+            Attempt::Lost => self.lost += 1,
+        }
+    }
+
+    /// The metrics the template's alarms and dashboard read.
+    pub fn emit(&self) {
+        metrics::counter!("deliveries_delivered").increment(self.delivered);
+        metrics::counter!("deliveries_retried").increment(self.retried);
+        metrics::counter!("deliveries_parked").increment(self.parked);
+        metrics::counter!("deliveries_gone").increment(self.gone);
+        metrics::counter!("deliveries_refused").increment(self.refused);
+        metrics::counter!("delivery_errors").increment(self.errors);
+        metrics::gauge!("oldest_delivery_due_seconds").set(self.oldest_due_secs as f64);
+        for ms in &self.latencies_ms {
+            metrics::histogram!("delivery_latency_ms").record(*ms as f64);
+        }
+    }
+}
+
+/// How one claimed push ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Attempt {
+    Delivered {
+        latency_ms: u64,
+    },
+    AlreadyDelivered,
+    Retried,
+    Parked {
+        refused: bool,
+    },
+    Gone,
+    /// Another worker, or a newer result, got there first.
+    Lost,
+}
+
+/// The worker.
+pub struct Deliverer {
+    pub store: TaskStore,
+    pub sender: Sender,
+    pub keys: KeySource,
+    pub settings: DeliverySettings,
+    /// Names this worker's leases (unique per process).
+    pub worker: String,
+    hosts: HostLimits,
+}
+
+impl std::fmt::Debug for Deliverer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Deliverer").field("worker", &self.worker).field("settings", &self.settings).finish()
+    }
+}
+
+/// The JSON push of a task that was not submitted through `in.php`.
+#[derive(Serialize)]
+struct Envelope<'a> {
+    #[serde(rename = "type")]
+    kind: String,
+    timestamp: String,
+    data: &'a TaskView,
+}
+
+impl Deliverer {
+    pub fn new(store: TaskStore, keys: KeySource, settings: DeliverySettings) -> anyhow::Result<Self> {
+        Ok(Self {
+            sender: Sender::new(settings.policy, settings.timeout)?,
+            store,
+            keys,
+            settings,
+            worker: format!("dlv-{}", uuid::Uuid::new_v4().simple()),
+            hosts: HostLimits::default(),
+        })
+    }
+
+    /// Works through every push due until none is left or `deadline` is near (a request and its
+    /// writes must fit before it). Due pushes are taken a page per shard at a time and sent
+    /// concurrently, within the per-host limits.
+    pub async fn sweep(self: &Arc<Self>, clock: Arc<dyn Clock>, deadline: Timestamp) -> SweepReport {
+        let mut report = SweepReport::default();
+        let margin = self.settings.lease();
+        loop {
+            let now = clock.now();
+            if now.plus(margin) > deadline {
+                break;
+            }
+            let mut batch = Vec::new();
+            for shard in 0..POLL_SHARDS {
+                match self.store.due_deliveries(shard, now, 100, None).await {
+                    Ok((due, _)) => batch.extend(due),
+                    Err(e) => {
+                        report.errors += 1;
+                        tracing::error!(event = "delivery_query_failed", error = %e);
+                    }
+                }
+            }
+            if batch.is_empty() {
+                break;
+            }
+            let mut work = tokio::task::JoinSet::new();
+            for due in batch {
+                let (me, clock) = (self.clone(), clock.clone());
+                work.spawn(async move {
+                    let _busy = clock.busy();
+                    me.deliver(&due, clock.as_ref()).await
+                });
+            }
+            while let Some(done) = work.join_next().await {
+                match done {
+                    Ok(Ok(a)) => report.add(&a),
+                    Ok(Err(e)) => {
+                        report.errors += 1;
+                        tracing::error!(event = "delivery_failed", error = %e);
+                    }
+                    Err(e) => {
+                        report.errors += 1;
+                        tracing::error!(event = "delivery_panicked", error = %e);
+                    }
+                }
+            }
+            if report.errors > 0 && report.delivered + report.retried + report.parked + report.gone == 0 {
+                // Only failures: the store is in trouble; the next sweep tries again.
+                break;
+            }
+        }
+        report.oldest_due_secs = match self.store.oldest_delivery_due().await {
+            Ok(Some(t)) => clock.now().since(t).as_secs(),
+            Ok(None) => 0,
+            Err(e) => {
+                report.errors += 1;
+                tracing::error!(event = "delivery_query_failed", error = %e);
+                0
+            }
+        };
+        report
+    }
+
+    /// Claims one due push, sends it, and records the outcome.
+    pub async fn deliver(&self, due: &DueDelivery, clock: &dyn Clock) -> Result<Attempt, StoreError> {
+        let now = clock.now();
+        let lease_until = now.plus(self.settings.lease());
+        let Some(mut task) = self.store.claim_delivery(due, &self.worker, lease_until).await? else {
+            return Ok(Attempt::Lost);
+        };
+        let finish = |f: DeliveryFinish| async move {
+            self.store.finish_delivery(&due.task_ref, &self.worker, lease_until, &f, clock.now()).await
+        };
+        let (Some(url), Some(id)) = (task.owner_callback.clone(), task.webhook_id()) else {
+            // An open task in the index: nothing to push yet. Not reachable through the store's
+            // writes; say so and leave it.
+            finish(DeliveryFinish::Parked { outcome: "the task has no result to push".into() }).await?;
+            return Ok(Attempt::Parked { refused: false });
+        };
+        if task.delivery.as_ref().and_then(|d| d.delivered_id.as_deref()) == Some(id.as_str()) {
+            return Ok(if finish(DeliveryFinish::AlreadyDelivered { id }).await? {
+                Attempt::AlreadyDelivered
+            } else {
+                Attempt::Lost
+            });
+        }
+        // A pushed result is a result shown: pin it, as GET does, so it never changes after.
+        if task.needs_pin(now) {
+            match self.store.mark_handed_out(&task, now).await? {
+                None => task.handed_out_at = Some(now),
+                // A result received earlier replaced it meanwhile; that write made a new push
+                // due (and took this lease): it goes out instead.
+                Some(_) => return Ok(Attempt::Lost),
+            }
+        }
+        let owner = task.webhook_owner.clone().unwrap_or_else(|| DEFAULT_OWNER.to_owned());
+        let keys = self.keys.keys(&owner).await?;
+        let (content_type, body) = payload(&task, now);
+        let host = url::Url::parse(&url).ok().and_then(|u| u.host_str().map(str::to_owned)).unwrap_or_default();
+        let slot = self.hosts.slot(&host, &self.settings);
+        let result = {
+            let _permit = slot.in_flight.acquire().await.map_err(|_| poisoned())?;
+            {
+                let mut next = slot.next_start.lock().await;
+                let wait = next.saturating_duration_since(Instant::now());
+                tokio::time::sleep(wait).await;
+                *next = Instant::now() + Duration::from_secs(1) / self.settings.per_host_per_second;
+            }
+            let sent_at = clock.now();
+            let out =
+                Outgoing { url: &url, msg_id: &id, timestamp: sent_at.as_secs(), content_type, body, keys: &keys };
+            self.sender.send(&out).await
+        };
+        let attempts = task.delivery.as_ref().map_or(1, |d| d.attempts);
+        let now = clock.now();
+        let (f, attempt) = match result {
+            AttemptResult::Delivered { status } => {
+                let recorded = resolved_at(&task).unwrap_or(now);
+                let latency_ms = now.as_millis().saturating_sub(recorded.as_millis());
+                (DeliveryFinish::Delivered { id, outcome: format!("HTTP {status}") }, Attempt::Delivered { latency_ms })
+            }
+            AttemptResult::Retry { status, error, retry_after } => {
+                let outcome = match status {
+                    Some(s) => format!("HTTP {s}: {error}"),
+                    None => error,
+                };
+                match crate::webhook::next_delay(attempts, self.settings.max_attempts, retry_after, jitter()) {
+                    Some(d) => (DeliveryFinish::Retry { at: now.plus(d), outcome }, Attempt::Retried),
+                    None => (
+                        DeliveryFinish::Parked { outcome: format!("{attempts} attempts failed, the last: {outcome}") },
+                        Attempt::Parked { refused: false },
+                    ),
+                }
+            }
+            AttemptResult::Gone => (DeliveryFinish::Gone { outcome: "HTTP 410".into() }, Attempt::Gone),
+            AttemptResult::Refused { reason } => {
+                tracing::warn!(event = "delivery_refused", task_ref = %task.task_ref, reason);
+                (DeliveryFinish::Parked { outcome: format!("refused: {reason}") }, Attempt::Parked { refused: true })
+            }
+        };
+        tracing::info!(event = "delivery_attempt", task_ref = %task.task_ref, webhook_id = %webhook_id_of(&f), attempts, outcome = ?attempt);
+        Ok(if finish(f).await? { attempt } else { Attempt::Lost })
+    }
+}
+
+fn webhook_id_of(f: &DeliveryFinish) -> &str {
+    match f {
+        DeliveryFinish::Delivered { id, .. } | DeliveryFinish::AlreadyDelivered { id } => id,
+        _ => "",
+    }
+}
+
+fn resolved_at(task: &Task) -> Option<Timestamp> {
+    match &task.state {
+        TaskState::Solved { resolved_at, .. } | TaskState::Failed { resolved_at, .. } => Some(*resolved_at),
+        TaskState::Expired { late: Some(l), .. } => Some(l.received_at),
+        TaskState::Expired { resolved_at, .. } => Some(*resolved_at),
+        _ => None,
+    }
+}
+
+/// A number in [0, 1) for the retry schedule's jitter.
+fn jitter() -> f64 {
+    let b = uuid::Uuid::new_v4().into_bytes();
+    f64::from(u32::from_le_bytes([b[0], b[1], b[2], b[3]])) / (f64::from(u32::MAX) + 1.0)
+}
+
+/// The push's body at `now`: the 2captcha pingback form for a compat task, JSON otherwise. A
+/// token is in it only while fresh, as in every other answer.
+pub fn payload(task: &Task, now: Timestamp) -> (&'static str, Vec<u8>) {
+    if let Some(id) = task.task_ref.compat_id() {
+        let (_, code) = task.compat_answer(now);
+        let body = serde_urlencoded::to_string([("id", id.to_string()), ("code", code)]).unwrap_or_default();
+        return ("application/x-www-form-urlencoded", body.into_bytes());
+    }
+    let mut view = task.view(now);
+    view.delivery = None;
+    let env = Envelope { kind: format!("task.{}", view.status), timestamp: now.to_rfc3339(), data: &view };
+    ("application/json", serde_json::to_vec(&env).unwrap_or_default())
+}
+
+/// Checks an owner's callback URL when a task is submitted, with a message for the caller.
+pub fn check_owner_url(url: &str, policy: UrlPolicy) -> Result<String, String> {
+    crate::webhook::check_url(url, policy).map(|u| u.to_string()).map_err(|e| e.0)
+}

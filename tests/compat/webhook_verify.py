@@ -1,0 +1,34 @@
+#!/usr/bin/env python3
+"""An independent verifier of the relay's outgoing webhooks: the Standard Webhooks reference
+library (standardwebhooks, pinned in infra/requirements-sdk.txt), unmodified.
+
+Reads JSON lines on stdin, each {"secret": "whsec_...", "headers": {...}, "body": "<string>"},
+and prints one line per input: `ok` when the library accepts the signature, else
+`fail: <reason>`. The body is verified as its UTF-8 bytes and not parsed as JSON, so any body
+can be checked. The library checks the timestamp against this machine's clock (5 minutes).
+Used by the webhook tests in shared/src/webhook.rs.
+"""
+
+import json
+import sys
+
+from standardwebhooks.webhooks import Webhook
+
+
+def check(line: str) -> str:
+    try:
+        msg = json.loads(line)
+        Webhook(msg["secret"]).verify(msg["body"], msg["headers"], json_parse=False)
+    except Exception as e:  # every failure is an answer, not a crash
+        return f"fail: {type(e).__name__}: {e}"
+    return "ok"
+
+
+def main() -> None:
+    for line in sys.stdin:
+        if line.strip():
+            print(check(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()
