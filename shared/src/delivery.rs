@@ -153,7 +153,9 @@ struct HostLimits {
 
 struct HostSlot {
     in_flight: Semaphore,
-    next_start: tokio::sync::Mutex<Instant>,
+    /// When the next request may start, on the worker's clock (simulated in the simulations,
+    /// like every other wait). Each request reserves its slot, then waits for it unlocked.
+    next_start: Mutex<Timestamp>,
 }
 
 impl HostLimits {
@@ -164,7 +166,7 @@ impl HostLimits {
             .or_insert_with(|| {
                 Arc::new(HostSlot {
                     in_flight: Semaphore::new(s.per_host_concurrency),
-                    next_start: tokio::sync::Mutex::new(Instant::now()),
+                    next_start: Mutex::new(Timestamp::from_millis(0)),
                 })
             })
             .clone()
@@ -305,10 +307,10 @@ impl Deliverer {
             let mut work = tokio::task::JoinSet::new();
             for due in batch {
                 let (me, clock) = (self.clone(), clock.clone());
-                work.spawn(async move {
-                    let _busy = clock.busy();
-                    me.deliver(&due, clock.as_ref()).await
-                });
+                // No busy mark of their own: a push waiting for its host's next slot sleeps on the
+                // clock, and a simulated clock must be free to move then (the caller's mark keeps
+                // it still while requests are in flight).
+                work.spawn(async move { me.deliver(&due, clock.as_ref()).await });
             }
             while let Some(done) = work.join_next().await {
                 match done {
@@ -380,10 +382,15 @@ impl Deliverer {
         let result = {
             let _permit = slot.in_flight.acquire().await.map_err(|_| poisoned())?;
             {
-                let mut next = slot.next_start.lock().await;
-                let wait = next.saturating_duration_since(Instant::now());
-                tokio::time::sleep(wait).await;
-                *next = Instant::now() + Duration::from_secs(1) / self.settings.per_host_per_second;
+                let start = {
+                    let mut next = slot.next_start.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                    let start = (*next).max(clock.now());
+                    *next = start.plus(Duration::from_secs(1) / self.settings.per_host_per_second);
+                    start
+                };
+                if start > clock.now() {
+                    clock.sleep_until(start).await;
+                }
             }
             let sent_at = clock.now();
             let out =

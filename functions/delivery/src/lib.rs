@@ -62,7 +62,11 @@ pub async fn handle(
     let remaining = event.context.deadline().duration_since(std::time::SystemTime::now()).unwrap_or_default();
     let deadline = clock.now().plus(remaining.saturating_sub(Duration::from_secs(2)));
     let report = if event.payload.get("Records").is_some() {
-        deliver_batch(&deliverer, due_in_stream(&event.payload), clock).await?
+        // A record whose push is not due yet (a retry's own write, a parked push) wakes nothing:
+        // the sweep takes it when it falls due.
+        let now = clock.now();
+        let due = due_in_stream(&event.payload).into_iter().filter(|d| d.due_at <= now).collect();
+        deliver_batch(&deliverer, due, clock).await?
     } else {
         deliverer.sweep(clock, deadline).await
     };

@@ -138,3 +138,50 @@ async fn answer(st: &Mutex<State>, clock: &dyn Clock, uri: &Uri, headers: &Heade
         None => std::panic::resume_unwind(Box::new("receiver is down")),
     }
 }
+
+/// Checks every hit's signature with the Standard Webhooks reference library (Python
+/// `standardwebhooks`, pinned in `infra/requirements-sdk.txt`, installed by `infra/tools.sh sdk`
+/// if missing), each at the time it was received. Returns one answer per hit: `ok` or
+/// `fail: <reason>`.
+pub fn verify_with_reference(secret: &str, hits: &[Hit]) -> anyhow::Result<Vec<String>> {
+    use std::io::Write;
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let python = root.join(".venv/bin/python");
+    let importable = || {
+        std::process::Command::new(&python)
+            .args(["-c", "import standardwebhooks.webhooks"])
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if !importable() {
+        let ok = std::process::Command::new("bash").arg(root.join("infra/tools.sh")).arg("sdk").status()?;
+        anyhow::ensure!(ok.success() && importable(), "infra/tools.sh sdk could not install standardwebhooks");
+    }
+    let mut child = std::process::Command::new(&python)
+        .arg(root.join("tests/compat/webhook_verify.py"))
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()?;
+    let mut input = String::new();
+    for h in hits {
+        let line = serde_json::json!({
+            "secret": secret,
+            "headers": {
+                "webhook-id": h.webhook_id,
+                "webhook-timestamp": h.webhook_timestamp,
+                "webhook-signature": h.webhook_signature,
+            },
+            "body": String::from_utf8_lossy(&h.body),
+            "now": h.at.as_secs(),
+        });
+        input.push_str(&line.to_string());
+        input.push('\n');
+    }
+    let mut stdin = child.stdin.take().ok_or_else(|| anyhow::anyhow!("no stdin"))?;
+    let writer = std::thread::spawn(move || stdin.write_all(input.as_bytes()));
+    let out = child.wait_with_output()?;
+    writer.join().map_err(|_| anyhow::anyhow!("writer panicked"))??;
+    anyhow::ensure!(out.status.success(), "webhook_verify.py failed");
+    Ok(String::from_utf8(out.stdout)?.lines().map(str::to_owned).collect())
+}
