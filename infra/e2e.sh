@@ -16,5 +16,5 @@ from cfnlint.decode import cfn_yaml
 json.dump(cfn_yaml.load("template.yaml"), open("target/template.json", "w"), default=str)
 PY
 export RELAY_TEMPLATE_JSON="$root/target/template.json"
-cargo build --locked --bins -p relay-api -p relay-callback -p relay-poller -p relay-redrive -p relay-e2e
+cargo build --locked --bins -p relay-api -p relay-callback -p relay-poller -p relay-redrive -p relay-delivery -p relay-e2e
 target/debug/relay-e2e "$@"

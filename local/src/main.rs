@@ -4,6 +4,8 @@
 //!   relay-local demo [--tasks 200]              # the three patterns at work; exit 1 if anything was lost
 //!   relay-local dead-letters list [--reveal]    # poisoned dead letters of RELAY_DATA_DIR
 //!   relay-local dead-letters redrive            # move them back to be applied again
+//!   relay-local deliveries list [--since 7d]     # parked pushes to owners' callbacks (relay running)
+//!   relay-local deliveries replay (--task <ref>… | --since <time>)
 
 use std::path::PathBuf;
 
@@ -38,6 +40,14 @@ enum Cmd {
         #[command(subcommand)]
         cmd: DeadLettersCmd,
     },
+    /// Pushes to owners' callbacks of the relay running on the data directory: list the parked
+    /// ones, replay them.
+    Deliveries {
+        #[arg(long, env = "RELAY_DATA_DIR", default_value = "relay-data")]
+        data_dir: PathBuf,
+        #[command(subcommand)]
+        cmd: DeliveriesCmd,
+    },
     /// Run the demo scenario against the built-in fake CaptchaAI.
     Demo {
         #[arg(long, default_value_t = 200)]
@@ -57,6 +67,26 @@ enum DeadLettersCmd {
     },
     /// Move every poisoned letter back to the queue; a running relay applies them again.
     Redrive,
+}
+
+#[derive(Subcommand)]
+enum DeliveriesCmd {
+    /// Parked pushes (every attempt failed, or the URL was refused when sending), oldest first.
+    List {
+        /// Parked since: RFC 3339 or a span ago (`24h`, `7d`).
+        #[arg(long, default_value = "7d")]
+        since: String,
+        #[arg(long, default_value_t = 100)]
+        max: usize,
+    },
+    /// Make pushes due again now (same webhook-id for the same result): the named tasks, or
+    /// every push parked since a time.
+    Replay {
+        #[arg(long = "task", value_name = "REF")]
+        tasks: Vec<String>,
+        #[arg(long, conflicts_with = "tasks")]
+        since: Option<String>,
+    },
 }
 
 async fn shutdown_signal() {
@@ -129,6 +159,11 @@ async fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
                     "    2captcha SDKs:    server=\"{server}\", key = the API key (with the CA above; they build https://<server>/in.php)"
                 );
             }
+            println!(
+                "  pushes to owners' callback URLs are signed with the secret in {} (or WEBHOOK_SECRETS); `relay-local deliveries list` shows parked ones{}",
+                cfg.webhook_secrets_path().display(),
+                if cfg.webhook_allow_loopback { "; loopback callback URLs allowed" } else { "" }
+            );
             if relay.fake.is_some() {
                 println!(
                     "  CaptchaAI: the built-in fake (set CAPTCHAAI_API_KEY and RELAY_PUBLIC_URL for the real one)"
@@ -159,6 +194,33 @@ async fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
                         moved += usize::from(queue.unpoison(id)?);
                     }
                     eprintln!("moved {moved} letter(s) back to the queue");
+                }
+            }
+            Ok(std::process::ExitCode::SUCCESS)
+        }
+        Cmd::Deliveries { data_dir, cmd } => {
+            use relay_shared::delivery::operator as d;
+            let store = relay_local::run::running_store(&data_dir).await?;
+            let now = relay_shared::time::Clock::now(&relay_shared::time::SystemClock);
+            let time = |t: &str| d::parse_time(t, now).map_err(anyhow::Error::msg);
+            match cmd {
+                DeliveriesCmd::List { since, max } => {
+                    let rows = d::list(&store, time(&since)?, now, max).await?;
+                    print!("{}", d::render_table(&rows));
+                    eprintln!("{} parked push(es)", rows.len());
+                }
+                DeliveriesCmd::Replay { tasks, since } => {
+                    let done = match since {
+                        Some(since) => d::replay_parked(&store, time(&since)?, now, usize::MAX, now).await?,
+                        None if tasks.is_empty() => {
+                            anyhow::bail!("name tasks with --task <ref>, or a range with --since")
+                        }
+                        None => d::replay_tasks(&store, &tasks, now).await?,
+                    };
+                    for (r, why) in &done.skipped {
+                        eprintln!("skipped {r}: {why}");
+                    }
+                    println!("{} push(es) due again now", done.replayed.len());
                 }
             }
             Ok(std::process::ExitCode::SUCCESS)

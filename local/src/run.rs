@@ -19,6 +19,24 @@ use serde::Deserialize;
 use crate::queue::DiskQueue;
 use crate::{LocalParts, Relay};
 
+/// The file in the data directory that names the running relay's store endpoint.
+pub const ENDPOINT_FILE: &str = "dynamodb-endpoint";
+
+/// The task store of the relay running on `data_dir` (for the operator commands).
+pub async fn running_store(data_dir: &std::path::Path) -> anyhow::Result<TaskStore> {
+    let path = data_dir.join(ENDPOINT_FILE);
+    let endpoint = std::fs::read_to_string(&path)
+        .with_context(|| format!("no relay has run on {} (start `relay-local serve` first)", data_dir.display()))?;
+    let client = client_for(endpoint.trim());
+    if client.describe_table().table_name("tasks").send().await.is_err() {
+        bail!(
+            "the relay on {} is not running: start `relay-local serve` (its store is read while it runs)",
+            data_dir.display()
+        );
+    }
+    Ok(TaskStore::new(client, "tasks", Duration::from_secs(7 * 86_400)))
+}
+
 /// Values the README and earlier versions used as examples: never accepted with a real key.
 pub const PUBLISHED_DEFAULTS: [&str; 2] = ["local-dev-key", "local-dev-signing-secret"];
 
@@ -382,6 +400,10 @@ pub async fn start(cfg: &LocalConfig, opts: Options) -> anyhow::Result<Running> 
 
     let db = LocalDynamo::start_at(&cfg.data_dir.join("tasks.sqlite")).await.context("opening the task store")?;
     let table = ensure_table(&db.endpoint).await?;
+    // Where the operator commands (`relay-local deliveries …`) find this relay's store while it
+    // runs.
+    std::fs::write(cfg.data_dir.join(ENDPOINT_FILE), &db.endpoint)
+        .with_context(|| format!("cannot write {}", cfg.data_dir.join(ENDPOINT_FILE).display()))?;
     let flaky = if opts.flaky_store { Some(FlakyDynamo::start(&db.endpoint).await?) } else { None };
     let endpoint = flaky.as_ref().map_or(db.endpoint.clone(), |f| f.endpoint.clone());
     let retention = Duration::from_secs(7 * 86_400);

@@ -6,6 +6,7 @@
 //! | ------------- | -------------------------------------------------------------------- |
 //! | `/ok/…`       | 200                                                                  |
 //! | `/flaky/…`    | 500 to the first 2 requests for the path, then 200                   |
+//! | `/once/…`     | 500 to the first request, then 200                                   |
 //! | `/limited/…`  | 429 with `Retry-After: 120` to the first request, then 200           |
 //! | `/slow/…`     | the first request never answered (the sender times out), then 200    |
 //! | `/gone/…`     | 410                                                                  |
@@ -111,6 +112,8 @@ async fn answer(st: &Mutex<State>, clock: &dyn Clock, uri: &Uri, headers: &Heade
             "ok" => Some(StatusCode::OK),
             "flaky" if nth <= 2 => Some(StatusCode::INTERNAL_SERVER_ERROR),
             "flaky" => Some(StatusCode::OK),
+            "once" if nth == 1 => Some(StatusCode::INTERNAL_SERVER_ERROR),
+            "once" => Some(StatusCode::OK),
             "limited" if nth == 1 => Some(StatusCode::TOO_MANY_REQUESTS),
             "limited" => Some(StatusCode::OK),
             "slow" if nth == 1 => None,

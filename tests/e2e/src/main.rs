@@ -2,10 +2,15 @@
 //! no Docker), against moto (DynamoDB and SQS) with the table and queues created from what
 //! `template.yaml` declares, and the fake CaptchaAI delivering pingbacks over HTTP.
 //!
-//! This harness plays the parts AWS plays: the schedule (it invokes the poller once a minute,
-//! invocations may overlap), and the SQS event source (receive with the queue's own visibility
-//! timeout → invoke the redrive function with a real SQS event → delete all but the reported
-//! failures). The relay runs with the template's defaults (callback grace per kind, poll rate,
+//! This harness plays the parts AWS plays: the schedule (it invokes the poller and the delivery
+//! sweep once a minute, invocations may overlap), the SQS event source (receive with the queue's
+//! own visibility timeout → invoke the redrive function with a real SQS event → delete all but
+//! the reported failures), and the DynamoDB stream event source (moto's table stream, read with
+//! GetRecords, filtered by the template's FilterCriteria, batched into DynamoDB stream events for
+//! the delivery function, retried 3 times, then counted as sent to the failures queue). Half the
+//! tasks carry an owner callback URL pointing at a receiver on loopback that fails by pattern
+//! (500 once, 410): every push must end delivered or gone, one `webhook-id` per task, each
+//! signature accepted by the Standard Webhooks reference library. The relay runs with the template's defaults (callback grace per kind, poll rate,
 //! batching off); on real time, only the fake's timings are compressed.
 //!
 //!   relay-e2e [--tasks N] [--chaos] [--ban] [--seed S]
@@ -36,7 +41,8 @@ use aws_sdk_dynamodb::types::{
 };
 use fake_captchaai::{FakeCaptchaAi, FakeConfig};
 use relay_shared::deadletter::SqsQueue;
-use relay_shared::domain::CaptchaKind;
+use relay_shared::domain::{CaptchaKind, DeliveryStatus};
+use relay_shared::testkit::receiver::{Receiver, verify_with_reference};
 use relay_shared::testkit::{FlakyDynamo, body_for, client_for, sqs_client_for, sqs_event};
 use relay_shared::time::{Clock, SystemClock, Timestamp};
 use serde_json::{Value, json};
@@ -83,6 +89,14 @@ async fn create_table(template: &Value, client: &aws_sdk_dynamodb::Client, name:
             gsi = gsi.key_schema(key(k)?);
         }
         req = req.global_secondary_indexes(gsi.build()?);
+    }
+    if let Some(view) = props["StreamSpecification"]["StreamViewType"].as_str() {
+        req = req.stream_specification(
+            aws_sdk_dynamodb::types::StreamSpecification::builder()
+                .stream_enabled(true)
+                .stream_view_type(aws_sdk_dynamodb::types::StreamViewType::from(view))
+                .build()?,
+        );
     }
     req.send().await?;
     let ttl = &props["TimeToLiveSpecification"];
@@ -222,6 +236,8 @@ struct Owned {
     /// When the owner first got a token, the token, and the path it came by.
     handed_out: Option<(Timestamp, String, String)>,
     done: bool,
+    /// The owner callback URL it was submitted with.
+    callback: Option<String>,
 }
 
 /// The in.php form a 2captcha client sends for a kind (the relay key added by the caller).
@@ -260,7 +276,18 @@ async fn submit(
     n: usize,
     kind: CaptchaKind,
     relay_key: Option<&str>,
+    callback: Option<&str>,
 ) -> anyhow::Result<String> {
+    let json_body = match callback {
+        Some(url) => {
+            let mut v: Value = serde_json::from_str(body_for(kind))?;
+            v["callback_url"] = Value::String(url.to_owned());
+            v.to_string()
+        }
+        None => body_for(kind).to_owned(),
+    };
+    let pingback =
+        callback.map(|u| format!("&pingback={}", u.replace(':', "%3A").replace('/', "%2F"))).unwrap_or_default();
     for _ in 0..200 {
         let req = match relay_key {
             None => emu
@@ -269,13 +296,13 @@ async fn submit(
                 .bearer_auth(API_KEY)
                 .header("content-type", "application/json")
                 .header("idempotency-key", format!("e2e-{}-{n}", cfg.seed))
-                .body(body_for(kind)),
+                .body(json_body.clone()),
             Some(key) => emu
                 .http
                 .post(emu.url("relay-api", "/in.php"))
                 .header("content-type", "application/x-www-form-urlencoded")
                 .header("idempotency-key", format!("e2e-compat-{}-{n}", cfg.seed))
-                .body(format!("key={key}&{}", compat_form(kind))),
+                .body(format!("key={key}&{}{pingback}", compat_form(kind))),
         };
         let wait = match req.timeout(Duration::from_secs(60)).send().await {
             Ok(resp) => {
@@ -369,6 +396,8 @@ async fn main() -> anyhow::Result<()> {
     let flaky = FlakyDynamo::start(&moto).await?;
     let flaky_sqs = FlakyDynamo::start(&moto).await?;
     let fake = FakeCaptchaAi::start(fake_config(&cfg)).await?;
+    let receiver = Receiver::start(std::sync::Arc::new(SystemClock)).await?;
+    let (_, webhook_secret) = relay_shared::webhook::WebhookSecret::generate();
 
     let port = free_port()?;
     let base = format!("http://127.0.0.1:{port}");
@@ -389,6 +418,10 @@ async fn main() -> anyhow::Result<()> {
         ("CALLBACK_BASE_URL", format!("{base}/lambda-url/relay-callback")),
         ("DEAD_LETTER_QUEUE_URL", dlq.url().to_owned()),
         ("POISON_QUEUE_URL", poison.url().to_owned()),
+        ("WEBHOOK_SECRETS", webhook_secret.clone()),
+        // The receiver is on loopback; on AWS the template sets public_https (the guard's own
+        // tests cover it).
+        ("DELIVERY_URL_POLICY", "allow_loopback".into()),
         ("RUST_LOG", "info".into()),
     ];
     let env_arg = env.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>();
@@ -422,14 +455,23 @@ async fn main() -> anyhow::Result<()> {
     }
     ensure!(up, "cargo lambda watch did not listen within 120 s; see {log_path}");
 
-    let parts = Parts { emu: &emu, fake: &fake, flaky: &flaky, flaky_sqs: &flaky_sqs, dlq: &dlq, poison: &poison };
+    let parts = Parts {
+        emu: &emu,
+        fake: &fake,
+        flaky: &flaky,
+        flaky_sqs: &flaky_sqs,
+        dlq: &dlq,
+        poison: &poison,
+        receiver: &receiver,
+        webhook_secret: &webhook_secret,
+    };
     let result = scenario(&cfg, &parts, visibility, &table, &moto).await;
     let _ = child.kill().await;
     let logs = std::fs::read_to_string(log_path).unwrap_or_default();
     let metric_docs = logs.lines().filter(|l| l.contains("\"_aws\"") && l.contains("CaptchaRelay")).count();
     let result = result.and_then(|report| {
         ensure!(metric_docs > 0, "no EMF metric documents in {log_path}");
-        let silent: Vec<&str> = ["api", "callback", "poller", "redrive"]
+        let silent: Vec<&str> = ["api", "callback", "poller", "redrive", "delivery"]
             .into_iter()
             .filter(|s| !logs.lines().any(|l| l.contains("\"_aws\"") && l.contains(&format!("\"service\":\"{s}\""))))
             .collect();
@@ -462,6 +504,8 @@ struct Parts<'a> {
     flaky_sqs: &'a FlakyDynamo,
     dlq: &'a SqsQueue,
     poison: &'a SqsQueue,
+    receiver: &'a Receiver,
+    webhook_secret: &'a str,
 }
 
 struct Report {
@@ -541,9 +585,15 @@ async fn scenario(cfg: &Config, p: &Parts<'_>, visibility: i32, table: &str, mot
             }
             let kind = CaptchaKind::ALL[n % CaptchaKind::ALL.len()];
             // Every fourth task as a 2captcha SDK submits it: `/in.php` with a relay key.
-            let task_ref = submit(p.emu, cfg, n, kind, (n % 4 == 3).then_some(relay_key)).await?;
+            // Every other task with an owner callback URL (pattern by n: mostly fine, 500 once,
+            // 410), the compat ones as a 2captcha `pingback`.
+            let callback = (n % 2 == 1).then(|| {
+                let pattern = ["ok", "ok", "ok", "once", "gone"][(n / 2) % 5];
+                format!("{}/{pattern}/{n}", p.receiver.base_url)
+            });
+            let task_ref = submit(p.emu, cfg, n, kind, (n % 4 == 3).then_some(relay_key), callback.as_deref()).await?;
             if let Ok(mut o) = owned.lock() {
-                o.push(Owned { kind, task_ref, handed_out: None, done: false });
+                o.push(Owned { kind, task_ref, handed_out: None, done: false, callback });
             }
             // Under the relay's account-wide pace (14 a second, below MAX_USER_TURN).
             tokio::time::sleep(Duration::from_millis(75)).await;
@@ -588,6 +638,13 @@ async fn scenario(cfg: &Config, p: &Parts<'_>, visibility: i32, table: &str, mot
         // does not wait for it.
         let mut running = tokio::task::JoinSet::new();
         while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+            let (emu, sweep) = (p.emu.clone(), schedule.clone());
+            running.spawn(async move {
+                // The delivery function's own schedule: a sweep a minute.
+                if let Err(e) = emu.invoke("relay-delivery", &sweep).await {
+                    eprintln!("delivery sweep failed: {e:#}");
+                }
+            });
             let (emu, schedule, invocations) = (p.emu.clone(), schedule.clone(), invocations.clone());
             running.spawn(async move {
                 match emu.invoke("relay-poller", &schedule).await {
@@ -619,6 +676,14 @@ async fn scenario(cfg: &Config, p: &Parts<'_>, visibility: i32, table: &str, mot
             }
         }
     };
+    // The DynamoDB stream event source.
+    let stream_failed = std::sync::atomic::AtomicUsize::new(0);
+    let stream = async {
+        if let Err(e) = stream_source(p.emu, moto, table, &stop, &stream_failed).await {
+            eprintln!("stream event source failed: {e:#}");
+            stream_failed.fetch_add(1_000_000, std::sync::atomic::Ordering::SeqCst);
+        }
+    };
     let owner = async {
         let deadline = t0 + Duration::from_secs(45 * 60);
         loop {
@@ -627,7 +692,8 @@ async fn scenario(cfg: &Config, p: &Parts<'_>, visibility: i32, table: &str, mot
             let (n, open) = owned.lock().map(|o| (o.len(), o.iter().filter(|t| !t.done).count())).unwrap_or((0, 0));
             let settled = p.fake.tasks().iter().all(delivered);
             let letters = p.dlq.depth().await.unwrap_or(1) + p.poison.depth().await.unwrap_or(0);
-            if n == cfg.tasks && open == 0 && settled && letters == 0 {
+            let pushed = n == cfg.tasks && open == 0 && pushes_settled(moto, table, &owned).await;
+            if n == cfg.tasks && open == 0 && settled && letters == 0 && pushed {
                 break;
             }
             if Instant::now() > deadline {
@@ -636,7 +702,7 @@ async fn scenario(cfg: &Config, p: &Parts<'_>, visibility: i32, table: &str, mot
         }
         stop.store(true, std::sync::atomic::Ordering::SeqCst);
     };
-    let (submitted, (), (), (), ()) = tokio::join!(submitter, director, scheduler, event_source, owner);
+    let (submitted, (), (), (), (), ()) = tokio::join!(submitter, director, scheduler, event_source, stream, owner);
     submitted?;
     // Poisoned letters: listed by the operator command's code, moved back, drained.
     let poisoned = relay_ops::list(p.poison, 10_000).await?;
@@ -655,8 +721,122 @@ async fn scenario(cfg: &Config, p: &Parts<'_>, visibility: i32, table: &str, mot
         poisoned.len(),
         t0,
         relay_key,
+        stream_failed.load(std::sync::atomic::Ordering::SeqCst),
     )
     .await
+}
+
+/// Whether every push owed to a task with a callback has ended (delivered or gone).
+async fn pushes_settled(moto: &str, table: &str, owned: &std::sync::Mutex<Vec<Owned>>) -> bool {
+    let store = relay_shared::store::TaskStore::new(client_for(moto), table, Duration::from_secs(7 * 86_400));
+    let refs: Vec<String> = owned
+        .lock()
+        .map(|o| o.iter().filter(|t| t.callback.is_some()).map(|t| t.task_ref.clone()).collect())
+        .unwrap_or_default();
+    for r in refs {
+        let Ok(task_ref) = relay_shared::domain::TaskRef::parse(&r) else { return false };
+        let Ok(Some(task)) = store.get(&task_ref).await else { return false };
+        let status = task.delivery.map(|d| d.status);
+        if !matches!(status, Some(DeliveryStatus::Delivered | DeliveryStatus::Gone)) {
+            return false;
+        }
+    }
+    true
+}
+
+/// One DynamoDB Streams call to moto (its JSON protocol, as the SDK would send it).
+async fn streams_call(http: &reqwest::Client, moto: &str, op: &str, body: &Value) -> anyhow::Result<Value> {
+    let resp = http
+        .post(moto)
+        .header("x-amz-target", format!("DynamoDBStreams_20120810.{op}"))
+        .header("content-type", "application/x-amz-json-1.0")
+        .header(
+            "authorization",
+            "AWS4-HMAC-SHA256 Credential=test/20261204/us-east-1/dynamodb/aws4_request, SignedHeaders=host, Signature=0",
+        )
+        .body(body.to_string())
+        .send()
+        .await?;
+    let status = resp.status();
+    let text = resp.text().await?;
+    ensure!(status.is_success(), "DynamoDB Streams {op}: {status} {text}");
+    Ok(serde_json::from_str(&text)?)
+}
+
+/// Whether a stream record passes the template's FilterCriteria for the delivery function.
+fn passes_filter(template_pattern: &Value, record: &Value) -> bool {
+    let Some(want) = template_pattern["dynamodb"]["NewImage"].as_object() else { return false };
+    let image = &record["dynamodb"]["NewImage"];
+    want.iter().all(|(attr, rule)| {
+        let Some((ty, conds)) = rule.as_object().and_then(|o| o.iter().next()) else { return false };
+        let present = image[attr][ty] != Value::Null;
+        conds.as_array().is_some_and(|c| c.iter().all(|c| c["exists"].as_bool() == Some(present)))
+    })
+}
+
+/// The stream event source: reads the table's stream from its start, keeps the records the
+/// template's filter passes, and invokes the delivery function with batches of up to 100 (a
+/// batch that fails is retried 3 times, then counted as sent to the failures queue).
+async fn stream_source(
+    emu: &Emulator,
+    moto: &str,
+    table: &str,
+    stop: &std::sync::atomic::AtomicBool,
+    failed: &std::sync::atomic::AtomicUsize,
+) -> anyhow::Result<()> {
+    let template: Value = serde_json::from_str(&std::fs::read_to_string(std::env::var("RELAY_TEMPLATE_JSON")?)?)?;
+    let events = &template["Resources"]["DeliveryFunction"]["Properties"]["Events"];
+    let pattern_text = events
+        .as_object()
+        .and_then(|e| e.values().find(|v| v["Type"] == "DynamoDB"))
+        .and_then(|e| e["Properties"]["FilterCriteria"]["Filters"][0]["Pattern"].as_str())
+        .context("the delivery function's stream filter")?;
+    let pattern: Value = serde_json::from_str(pattern_text)?;
+    let http = reqwest::Client::new();
+    let streams = streams_call(&http, moto, "ListStreams", &json!({ "TableName": table })).await?;
+    let arn = s(&streams["Streams"][0]["StreamArn"])?.to_owned();
+    let shards = streams_call(&http, moto, "DescribeStream", &json!({ "StreamArn": arn })).await?;
+    let mut iterators = Vec::new();
+    for shard in shards["StreamDescription"]["Shards"].as_array().context("shards")? {
+        let it = streams_call(
+            &http,
+            moto,
+            "GetShardIterator",
+            &json!({ "StreamArn": arn, "ShardId": shard["ShardId"], "ShardIteratorType": "TRIM_HORIZON" }),
+        )
+        .await?;
+        iterators.push(s(&it["ShardIterator"])?.to_owned());
+    }
+    while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+        let mut any = false;
+        for it in &mut iterators {
+            let out = streams_call(&http, moto, "GetRecords", &json!({ "ShardIterator": it, "Limit": 1000 })).await?;
+            if let Some(next) = out["NextShardIterator"].as_str() {
+                *it = next.to_owned();
+            }
+            let records: Vec<Value> = out["Records"]
+                .as_array()
+                .map(|r| r.iter().filter(|r| passes_filter(&pattern, r)).cloned().collect())
+                .unwrap_or_default();
+            for batch in records.chunks(100) {
+                any = true;
+                let event = json!({ "Records": batch });
+                let mut tries = 0;
+                while let Err(e) = emu.invoke("relay-delivery", &event).await {
+                    tries += 1;
+                    if tries > 3 {
+                        eprintln!("stream batch failed 4 times, to the failures queue: {e:#}");
+                        failed.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        break;
+                    }
+                }
+            }
+        }
+        if !any {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+    Ok(())
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -671,9 +851,12 @@ async fn check(
     poisoned: usize,
     t0: Instant,
     relay_key: &str,
+    stream_failed: usize,
 ) -> anyhow::Result<Report> {
     use relay_shared::domain::{Outcome, TaskRef, TaskState};
     let (mut compat_tasks, mut compat_disagree) = (0usize, Vec::new());
+    let (mut pushes, mut pushed, mut gone, mut owed, mut extra_ids) = (0usize, 0usize, 0usize, Vec::new(), 0usize);
+    let hits = p.receiver.hits();
     let store = relay_shared::store::TaskStore::new(client_for(moto), table, Duration::from_secs(7 * 86_400));
     let fake_tasks: HashMap<String, fake_captchaai::FakeTask> =
         p.fake.tasks().into_iter().map(|t| (t.id.to_string(), t)).collect();
@@ -710,6 +893,18 @@ async fn check(
         if !task.state.is_final() {
             open += 1;
         }
+        if let Some(url) = &o.callback {
+            pushes += 1;
+            let path = url.trim_start_matches(&p.receiver.base_url);
+            let got: Vec<_> = hits.iter().filter(|h| h.path == path).collect();
+            let ids: std::collections::BTreeSet<&str> = got.iter().map(|h| h.webhook_id.as_str()).collect();
+            extra_ids += ids.len().saturating_sub(1);
+            match task.delivery.as_ref().map(|d| d.status) {
+                Some(DeliveryStatus::Delivered) if got.iter().any(|h| h.answered == 200) => pushed += 1,
+                Some(DeliveryStatus::Gone) if path.starts_with("/gone/") => gone += 1,
+                other => owed.push(format!("{} ({path}): {other:?}", o.task_ref)),
+            }
+        }
         // A task submitted through /in.php: res.php says what GET /tasks says (a token only
         // while fresh).
         if task.task_ref.compat_id().is_some() {
@@ -743,6 +938,8 @@ async fn check(
             }
         }
     }
+    let answers = verify_with_reference(p.webhook_secret, &hits)?;
+    let verified = answers.iter().filter(|a| *a == "ok").count();
     let counts = p.fake.counts();
     let applied = p.flaky.applied_results();
     let double_applied = applied.values().filter(|n| **n > 1).count();
@@ -797,6 +994,10 @@ async fn check(
         ("dead letters drained / left", format!("{} / {left}", drained.load(std::sync::atomic::Ordering::SeqCst))),
         ("poisoned, listed and moved back", poisoned.to_string()),
         ("poller invocations (over deadline)", format!("{} ({over_deadline})", invs.len())),
+        ("pushes: delivered / gone (410) / owed", format!("{pushed} / {gone} / {} of {pushes}", owed.len())),
+        ("push requests / verified by standardwebhooks", format!("{} / {}", hits.len(), verified)),
+        ("tasks pushed under > 1 webhook-id", extra_ids.to_string()),
+        ("stream batches to the failures queue", stream_failed.to_string()),
         ("real time", format!("{:.0} s", t0.elapsed().as_secs_f64())),
     ];
     let mut table_text = format!(
@@ -833,6 +1034,13 @@ async fn check(
     need(open == 0, format!("{open} tasks still open"));
     need(over_deadline == 0, format!("{over_deadline} poller invocations over their deadline"));
     need(left == 0, format!("{left} dead letters left"));
+    need(
+        pushes > 0 && owed.is_empty(),
+        format!("{} of {pushes} pushes owed: {:?}", owed.len(), &owed[..owed.len().min(3)]),
+    );
+    need(extra_ids == 0, format!("{extra_ids} tasks pushed under more than one webhook-id"));
+    need(verified == hits.len() && !hits.is_empty(), format!("{verified} of {} signatures verified", hits.len()));
+    need(stream_failed == 0, format!("{stream_failed} stream batches failed"));
     if !cfg.chaos {
         need(
             by_via.get("redrive").copied().unwrap_or(0) > 0,
