@@ -134,7 +134,11 @@ async fn a_thousand_pushes_survive_a_sigkill_and_a_failing_receiver() -> anyhow:
         for r in tasks.keys() {
             let v: serde_json::Value =
                 http.get(format!("http://127.0.0.1:{port}/tasks/{r}")).bearer_auth(KEY).send().await?.json().await?;
-            status.insert(r.clone(), v["delivery"]["status"].as_str().unwrap_or("none").to_owned());
+            let st = v["delivery"]["status"].as_str().unwrap_or("none").to_owned();
+            if Instant::now() > deadline && st != "delivered" && st != "gone" {
+                eprintln!("owed: {r} {} task {} delivery {}", tasks[r], v["status"], v["delivery"]);
+            }
+            status.insert(r.clone(), st);
         }
         if status.values().all(|s| s == "delivered" || s == "gone") || Instant::now() > deadline {
             break;

@@ -207,7 +207,7 @@ impl SweepReport {
                 self.refused += u64::from(*refused);
             }
             Attempt::Gone => self.gone += 1,
-            Attempt::Lost => self.lost += 1,
+            Attempt::Lost | Attempt::Deferred => self.lost += 1,
         }
     }
 
@@ -240,6 +240,8 @@ pub enum Attempt {
     Gone,
     /// Another worker, or a newer result, got there first.
     Lost,
+    /// Its host's turn came too late for the claim: given back, due again at once.
+    Deferred,
 }
 
 /// The worker.
@@ -379,18 +381,32 @@ impl Deliverer {
         let (content_type, body) = payload(&task, now);
         let host = url::Url::parse(&url).ok().and_then(|u| u.host_str().map(str::to_owned)).unwrap_or_default();
         let slot = self.hosts.slot(&host, &self.settings);
+        // The request must be over before the claim lapses (or another worker sends it too): a
+        // push whose turn at its host comes later than that is given back, due at its turn, its
+        // attempt uncounted.
+        let latest_start = lease_until.minus(self.settings.timeout + Duration::from_secs(5));
+        let defer = |at: Timestamp| async move {
+            let f = DeliveryFinish::Deferred { at };
+            Ok(if finish(f).await? { Attempt::Deferred } else { Attempt::Lost })
+        };
         let result = {
-            let _permit = slot.in_flight.acquire().await.map_err(|_| poisoned())?;
-            {
-                let start = {
-                    let mut next = slot.next_start.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-                    let start = (*next).max(clock.now());
+            let start = {
+                let mut next = slot.next_start.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                let start = (*next).max(clock.now());
+                if start > latest_start {
+                    None
+                } else {
                     *next = start.plus(Duration::from_secs(1) / self.settings.per_host_per_second);
-                    start
-                };
-                if start > clock.now() {
-                    clock.sleep_until(start).await;
+                    Some(start)
                 }
+            };
+            let Some(start) = start else { return defer(clock.now().plus(Duration::from_secs(1))).await };
+            if start > clock.now() {
+                clock.sleep_until(start).await;
+            }
+            let _permit = slot.in_flight.acquire().await.map_err(|_| poisoned())?;
+            if clock.now() > latest_start {
+                return defer(clock.now()).await;
             }
             let sent_at = clock.now();
             let out =
