@@ -20,7 +20,7 @@ cargo build "${flag[@]}" --locked -p relay-bench -p relay-local
 # The functions (and the hello yardstick) on their own, as a deploy builds them: without the
 # bench's test features.
 echo "==> building the four functions ($profile)"
-cargo build "${flag[@]}" --locked -p relay-api -p relay-callback -p relay-poller -p relay-redrive -p relay-bench-hello
+cargo build "${flag[@]}" --locked -p relay-api -p relay-callback -p relay-poller -p relay-redrive -p relay-delivery -p relay-bench-hello
 source infra/moto.sh
 start_moto
 echo "==> relay-bench $*"

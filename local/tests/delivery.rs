@@ -69,7 +69,7 @@ async fn a_thousand_pushes_survive_a_sigkill_and_a_failing_receiver() -> anyhow:
     std::fs::create_dir_all(&data)?;
     let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
     let http = reqwest::Client::new();
-    let mut relay = spawn_relay(port, &data, &fake);
+    let relay = std::sync::Arc::new(std::sync::Mutex::new(Some(spawn_relay(port, &data, &fake))));
     wait_healthy(&http, port).await?;
 
     // SSRF: a metadata address is refused even with loopback allowed.
@@ -87,48 +87,69 @@ async fn a_thousand_pushes_survive_a_sigkill_and_a_failing_receiver() -> anyhow:
     assert!(body.contains("invalid_callback_url"), "{body}");
 
     let started = Instant::now();
-    let mut tasks: BTreeMap<String, String> = BTreeMap::new();
-    for (pattern, n) in PATTERNS {
-        for i in 0..n {
-            let base = if pattern == "slow" { &local } else { &receiver.base_url };
-            let url = format!("{base}/{pattern}/{i}");
-            let body = serde_json::json!({ "kind": "image", "body": "iVBORw0KGgo=", "callback_url": url });
-            let v: serde_json::Value = loop {
-                let r = http
-                    .post(format!("http://127.0.0.1:{port}/tasks"))
-                    .bearer_auth(KEY)
-                    .header("content-type", "application/json")
-                    .header("idempotency-key", format!("{pattern}-{i}"))
-                    .body(body.to_string())
-                    .send()
-                    .await?;
-                if r.status().as_u16() == 202 {
-                    break r.json().await?;
-                }
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            };
-            let task_ref = v["task_ref"].as_str().unwrap_or_default().to_owned();
-            tasks.insert(task_ref, format!("/{pattern}/{i}"));
-            // The relay paces submits at 14 a second (CaptchaAI bans more than 60 in 3 s).
-            tokio::time::sleep(Duration::from_millis(75)).await;
+    // SIGKILL — no shutdown, no flush — once 300 pushes were answered 200: submits, callbacks,
+    // polls and pushes all in flight. Restarted 2 s later on the same data and port.
+    let killer = {
+        let (relay, rcv, data, fake) = (relay.clone(), receiver.clone(), data.clone(), &fake);
+        let spawn_again = move || spawn_relay(port, &data, fake);
+        async move {
+            while rcv.hits().iter().filter(|h| h.answered == 200).count() < 300 {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            let at_kill = rcv.hits().len();
+            if let Some(mut r) = relay.lock().ok().and_then(|mut g| g.take()) {
+                let _ = r.0.kill();
+                let _ = r.0.wait();
+            }
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            if let Ok(mut g) = relay.lock() {
+                *g = Some(spawn_again());
+            }
+            at_kill
         }
-    }
+    };
+    let mut tasks: BTreeMap<String, String> = BTreeMap::new();
+    let submitter = async {
+        for (pattern, n) in PATTERNS {
+            for i in 0..n {
+                let base = if pattern == "slow" { &local } else { &receiver.base_url };
+                let url = format!("{base}/{pattern}/{i}");
+                let body = serde_json::json!({ "kind": "image", "body": "iVBORw0KGgo=", "callback_url": url });
+                // A careful client: the same idempotency key again after no answer (the relay may be
+                // down: it is killed mid-way), never a second task.
+                let v: serde_json::Value = loop {
+                    let r = http
+                        .post(format!("http://127.0.0.1:{port}/tasks"))
+                        .bearer_auth(KEY)
+                        .header("content-type", "application/json")
+                        .header("idempotency-key", format!("{pattern}-{i}"))
+                        .body(body.to_string())
+                        .send()
+                        .await;
+                    if let Ok(r) = r
+                        && r.status().as_u16() == 202
+                    {
+                        break r.json().await?;
+                    }
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                };
+                let task_ref = v["task_ref"].as_str().unwrap_or_default().to_owned();
+                tasks.insert(task_ref, format!("/{pattern}/{i}"));
+                // The relay paces submits at 14 a second (CaptchaAI bans more than 60 in 3 s).
+                tokio::time::sleep(Duration::from_millis(75)).await;
+            }
+        }
+        anyhow::Ok(())
+    };
+    let (submitted, at_kill) = tokio::join!(submitter, killer);
+    submitted?;
     assert_eq!(tasks.len(), 1000);
-    // SIGKILL while pushes are in flight: no shutdown, no flush.
-    let until = Instant::now() + Duration::from_secs(120);
-    while receiver.hits().iter().filter(|h| h.answered == 200).count() < 300 && Instant::now() < until {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let at_kill = receiver.hits().len();
-    relay.0.kill()?;
-    relay.0.wait()?;
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let _relay = spawn_relay(port, &data, &fake);
     wait_healthy(&http, port).await?;
 
     // Every task's push ends delivered (or gone, for the 410s).
-    let deadline = Instant::now() + Duration::from_secs(420);
+    let deadline = Instant::now() + Duration::from_secs(360);
     let mut status: BTreeMap<String, String> = BTreeMap::new();
+    let _relay = relay;
     loop {
         status.clear();
         for r in tasks.keys() {

@@ -273,6 +273,8 @@ async fn stack(moto: &str) -> anyhow::Result<Stack> {
         ("POISON_QUEUE_URL", poison),
         ("CAPTCHAAI_API_KEY_PARAM", key_param),
         ("CALLBACK_SIGNING_SECRET_PARAM", secret_param),
+        // Inline here (the others come from SSM): the sweep finds nothing due, signs nothing.
+        ("WEBHOOK_SECRETS", relay_shared::webhook::WebhookSecret::generate().1),
         // Nothing is due, so the poller never calls it; never the internet either way.
         ("CAPTCHAAI_BASE_URL", "http://127.0.0.1:9".to_owned()),
     ];
@@ -324,8 +326,9 @@ fn functions(opts: &Opts, s: &Stack) -> anyhow::Result<Vec<Function>> {
         f("hello (lambda_runtime, nothing else)", bin("bench-hello"), "{}".into(), "\"ok\":true"),
         f("callback (a pingback: one conditional write)", bin("relay-callback"), callback, "recorded"),
         f("api (GET /tasks/{ref})", bin("relay-api"), api, "\"statusCode\":200"),
-        f("poller (a scheduled tick, nothing due)", bin("relay-poller"), scheduler, "\"passes\""),
+        f("poller (a scheduled tick, nothing due)", bin("relay-poller"), scheduler.clone(), "\"passes\""),
         f("redrive (one dead letter)", bin("relay-redrive"), sqs_event, "batchItemFailures"),
+        f("delivery (a scheduled sweep, nothing due)", bin("relay-delivery"), scheduler, "\"delivered\""),
     ])
 }
 
@@ -422,7 +425,7 @@ pub async fn run(opts: &Opts) -> anyhow::Result<String> {
 /// machine cannot run arm64 code natively, and timings under emulation would say nothing.
 fn arm64_sizes(dir: &Path) -> anyhow::Result<String> {
     let build = Opts::root().join(".aws-sam/build");
-    let functions = ["ApiFunction", "CallbackFunction", "PollerFunction", "RedriveFunction"];
+    let functions = ["ApiFunction", "CallbackFunction", "PollerFunction", "RedriveFunction", "DeliveryFunction"];
     let mut s = String::from("\n### The arm64 build `sam build` makes (what a deploy ships)\n\n");
     let found: Vec<_> =
         functions.iter().map(|f| (f, build.join(f).join("bootstrap"))).filter(|(_, p)| p.exists()).collect();
