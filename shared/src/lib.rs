@@ -21,6 +21,18 @@ pub use relay_time as time;
 #[cfg(any(test, feature = "testkit"))]
 pub mod testkit;
 
+/// Time until the invocation's deadline. Lambda sends an epoch-ms deadline; cargo lambda's
+/// emulator sends the timeout itself (e.g. `600000`). A value too small to be an epoch (before
+/// 2001) is taken as a duration from now.
+pub fn time_left(deadline_ms: u64, now: time::Timestamp) -> std::time::Duration {
+    const PLAUSIBLE_EPOCH_MS: u64 = 1_000_000_000_000;
+    if deadline_ms < PLAUSIBLE_EPOCH_MS {
+        std::time::Duration::from_millis(deadline_ms)
+    } else {
+        std::time::Duration::from_millis(deadline_ms.saturating_sub(now.as_millis()))
+    }
+}
+
 /// Builds the AWS SDK configuration once, at cold start. `AWS_ENDPOINT_URL_DYNAMODB` and
 /// friends point it at a local engine.
 pub async fn aws_config() -> aws_config::SdkConfig {

@@ -59,8 +59,9 @@ pub async fn handle(
     deliverer: Arc<Deliverer>,
     clock: Arc<dyn Clock>,
 ) -> Result<SweepReport, lambda_runtime::Error> {
-    let remaining = event.context.deadline().duration_since(std::time::SystemTime::now()).unwrap_or_default();
-    let deadline = clock.now().plus(remaining.saturating_sub(Duration::from_secs(2)));
+    let now = clock.now();
+    let remaining = relay_shared::time_left(event.context.deadline, now);
+    let deadline = now.plus(remaining.saturating_sub(Duration::from_secs(2)));
     let report = if event.payload.get("Records").is_some() {
         // A record whose push is not due yet (a retry's own write, a parked push) wakes nothing:
         // the sweep takes it when it falls due.

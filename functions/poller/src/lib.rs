@@ -298,17 +298,7 @@ pub async fn handle(
     Ok(run_invocation(deps, clock, now.plus(left)).await)
 }
 
-/// Time until the invocation's deadline. Lambda sends an epoch-ms deadline; cargo lambda's
-/// emulator sends the timeout itself (e.g. `600000`). A value too small to be an epoch (before
-/// 2001) is taken as a duration from now.
-pub fn time_left(deadline_ms: u64, now: Timestamp) -> Duration {
-    const PLAUSIBLE_EPOCH_MS: u64 = 1_000_000_000_000;
-    if deadline_ms < PLAUSIBLE_EPOCH_MS {
-        Duration::from_millis(deadline_ms)
-    } else {
-        Duration::from_millis(deadline_ms.saturating_sub(now.as_millis()))
-    }
-}
+pub use relay_shared::time_left;
 
 /// Spaces res.php requests at least `1/rps` apart, on the clock. Used by the invocation's one
 /// main loop only.
