@@ -42,8 +42,8 @@ fn template_settings() -> anyhow::Result<DeliverySettings> {
 
 /// The worker loop as the Lambda's sweep and local mode run it: a sweep whenever something is
 /// due, otherwise asleep until the next push falls due (at most a minute).
-fn start_worker(w: &World, deliverer: Arc<Deliverer>) -> tokio::task::AbortHandle {
-    let clock: Arc<dyn Clock> = Arc::new(w.clock.clone());
+fn start_worker(clock: &relay_time::ManualClock, deliverer: Arc<Deliverer>) -> tokio::task::AbortHandle {
+    let clock: Arc<dyn Clock> = Arc::new(clock.clone());
     let busy = clock.busy();
     tokio::spawn(async move {
         let _busy = busy;
@@ -101,7 +101,7 @@ async fn a_thousand_results_reach_a_failing_receiver_or_are_parked_and_listed() 
 
     // The receiver is down for the first 10 minutes.
     receiver.set_down(true);
-    let worker = Arc::new(std::sync::Mutex::new(Some(start_worker(&w, deliverer()?))));
+    let worker = Arc::new(std::sync::Mutex::new(Some(start_worker(&w.clock, deliverer()?))));
     let plan: Vec<(String, CaptchaKind)> = PATTERNS
         .iter()
         .flat_map(|(p, n)| (0..*n).map(move |i| ((*p).to_owned(), i)))
@@ -165,26 +165,7 @@ async fn a_thousand_results_reach_a_failing_receiver_or_are_parked_and_listed() 
                 h.abort();
             }
             clock.sleep_until(EPOCH.plus(Duration::from_secs(210))).await;
-            let clock2: Arc<dyn Clock> = Arc::new(w_clock);
-            let h = {
-                let busy = clock2.busy();
-                let c = clock2.clone();
-                tokio::spawn(async move {
-                    let _busy = busy;
-                    loop {
-                        let now = c.now();
-                        let report = fresh.sweep(c.clone(), now.plus(Duration::from_secs(55))).await;
-                        let idle = report.delivered + report.retried + report.parked + report.gone == 0;
-                        let next = match fresh.store.oldest_delivery_due().await {
-                            Ok(Some(t)) if t > c.now() => t.min(c.now().plus(Duration::from_secs(60))),
-                            _ if idle => c.now().plus(Duration::from_secs(1)),
-                            _ => c.now(),
-                        };
-                        c.sleep_until(next.max(c.now().plus(Duration::from_millis(200)))).await;
-                    }
-                })
-                .abort_handle()
-            };
+            let h = start_worker(&w_clock, fresh);
             if let Ok(mut g) = worker.lock() {
                 *g = Some(h);
             }
