@@ -378,7 +378,6 @@ impl Deliverer {
         }
         let owner = task.webhook_owner.clone().unwrap_or_else(|| DEFAULT_OWNER.to_owned());
         let keys = self.keys.keys(&owner).await?;
-        let (content_type, body) = payload(&task, now);
         let host = url::Url::parse(&url).ok().and_then(|u| u.host_str().map(str::to_owned)).unwrap_or_default();
         let slot = self.hosts.slot(&host, &self.settings);
         // The request must be over before the claim lapses (or another worker sends it too): a
@@ -409,6 +408,8 @@ impl Deliverer {
                 return defer(clock.now()).await;
             }
             let sent_at = clock.now();
+            // Built as it leaves: a token that went stale while it waited for its turn is not in it.
+            let (content_type, body) = payload(&task, sent_at);
             let out =
                 Outgoing { url: &url, msg_id: &id, timestamp: sent_at.as_secs(), content_type, body, keys: &keys };
             self.sender.send(&out).await
@@ -603,5 +604,79 @@ pub mod operator {
             .and_then(|st| st.duration_since(std::time::UNIX_EPOCH).ok())
             .map(|d| Timestamp::from_millis(u64::try_from(d.as_millis()).unwrap_or(u64::MAX)))
             .ok_or_else(|| format!("`{t}` is neither a time like 2026-12-04T07:00:00Z nor a span ago like 24h"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::domain::{CaptchaKind, Solution, TaskRef, Via};
+
+    fn solved(task_ref: TaskRef, token: &str) -> Task {
+        let at = Timestamp::from_millis(1_000_000);
+        Task {
+            state: TaskState::Solved {
+                solution: Solution::parse(token).expect("token"),
+                resolved_at: at,
+                via: Via::Callback,
+                token_clock_start: at,
+            },
+            owner_callback: Some("https://owner.example/cb".into()),
+            ..Task::new(task_ref, CaptchaKind::RecaptchaV2, Timestamp::from_millis(900_000))
+        }
+    }
+
+    #[test]
+    fn a_compat_push_is_the_2captcha_pingback_form_and_never_carries_a_stale_token() {
+        let (r, id) = TaskRef::generate_compat();
+        let task = solved(r, "03AGdBq2-token");
+        let (ctype, body) = payload(&task, Timestamp::from_millis(1_010_000));
+        assert_eq!(ctype, "application/x-www-form-urlencoded");
+        assert_eq!(String::from_utf8(body).expect("utf8"), format!("id={id}&code=03AGdBq2-token"));
+        // 120 s after the solve the token is past its lifetime: the push says so instead.
+        let (_, body) = payload(&task, Timestamp::from_millis(1_121_000));
+        assert_eq!(String::from_utf8(body).expect("utf8"), format!("id={id}&code=ERROR_TOKEN_EXPIRED"));
+    }
+
+    #[test]
+    fn a_json_push_is_the_task_view_typed_by_status_and_its_id_follows_the_result() {
+        let task = solved(TaskRef::generate(), "03AGdBq2-token");
+        let (ctype, body) = payload(&task, Timestamp::from_millis(1_010_000));
+        assert_eq!(ctype, "application/json");
+        let v: serde_json::Value = serde_json::from_slice(&body).expect("json");
+        assert_eq!(v["type"], "task.solved");
+        assert_eq!(v["data"]["solution"], "03AGdBq2-token");
+        assert_eq!(v["data"]["task_ref"], task.task_ref.as_ref());
+        assert!(v["data"].get("delivery").is_none(), "the push does not describe itself");
+        let (_, body) = payload(&task, Timestamp::from_millis(1_121_000));
+        let v: serde_json::Value = serde_json::from_slice(&body).expect("json");
+        assert_eq!(v["type"], "task.expired");
+        assert!(v["data"].get("solution").is_none(), "a stale token is never pushed");
+        // The webhook-id: the same for the same result whenever it is sent, another for another.
+        let id = task.webhook_id().expect("terminal");
+        assert!(id.starts_with("msg_") && id.len() == 36, "{id}");
+        assert_eq!(solved(task.task_ref.clone(), "03AGdBq2-token").webhook_id(), Some(id.clone()));
+        assert_ne!(solved(task.task_ref.clone(), "03AGdBq2-other").webhook_id(), Some(id));
+        assert_eq!(Task::new(TaskRef::generate(), CaptchaKind::Image, Timestamp::from_millis(0)).webhook_id(), None);
+    }
+
+    #[test]
+    fn settings_are_checked_with_clear_messages() {
+        let env =
+            |pairs: &[(&str, &str)]| DeliverySettings::from_settings(&Settings::from_pairs(pairs.iter().copied()));
+        assert_eq!(env(&[]).expect("defaults").max_attempts, 7);
+        assert_eq!(env(&[]).expect("defaults").policy, UrlPolicy::PublicHttps);
+        assert_eq!(env(&[("DELIVERY_URL_POLICY", "allow_loopback")]).expect("ok").policy, UrlPolicy::AllowLoopback);
+        for (k, v) in [
+            ("DELIVERY_URL_POLICY", "anything"),
+            ("DELIVERY_TIMEOUT_SECS", "0"),
+            ("DELIVERY_TIMEOUT_SECS", "31"),
+            ("DELIVERY_MAX_ATTEMPTS", "0"),
+            ("DELIVERY_PER_HOST_CONCURRENCY", "0"),
+            ("DELIVERY_PER_HOST_PER_SECOND", "x"),
+        ] {
+            let e = env(&[(k, v)]).expect_err(k).to_string();
+            assert!(e.contains(k), "{e}");
+        }
     }
 }
