@@ -306,27 +306,7 @@ impl Deliverer {
             if batch.is_empty() {
                 break;
             }
-            let mut work = tokio::task::JoinSet::new();
-            for due in batch {
-                let (me, clock) = (self.clone(), clock.clone());
-                // No busy mark of their own: a push waiting for its host's next slot sleeps on the
-                // clock, and a simulated clock must be free to move then (the caller's mark keeps
-                // it still while requests are in flight).
-                work.spawn(async move { me.deliver(&due, clock.as_ref()).await });
-            }
-            while let Some(done) = work.join_next().await {
-                match done {
-                    Ok(Ok(a)) => report.add(&a),
-                    Ok(Err(e)) => {
-                        report.errors += 1;
-                        tracing::error!(event = "delivery_failed", error = %e);
-                    }
-                    Err(e) => {
-                        report.errors += 1;
-                        tracing::error!(event = "delivery_panicked", error = %e);
-                    }
-                }
-            }
+            self.deliver_all(batch, &clock, &mut report).await;
             if report.errors > 0 && report.delivered + report.retried + report.parked + report.gone == 0 {
                 // Only failures: the store is in trouble; the next sweep tries again.
                 break;
@@ -342,6 +322,39 @@ impl Deliverer {
             }
         };
         report
+    }
+
+    /// Delivers `due` concurrently (within the per-host limits), counting each outcome into
+    /// `report`. Returns the last store failure or panic, if any: those pushes stay due.
+    pub async fn deliver_all(
+        self: &Arc<Self>,
+        due: Vec<DueDelivery>,
+        clock: &Arc<dyn Clock>,
+        report: &mut SweepReport,
+    ) -> Option<String> {
+        let mut work = tokio::task::JoinSet::new();
+        for d in due {
+            let (me, clock) = (self.clone(), clock.clone());
+            // No busy mark of their own: a push waiting for its host's next slot sleeps on the
+            // clock, and a simulated clock must be free to move then (the caller's mark keeps it
+            // still while requests are in flight).
+            work.spawn(async move { me.deliver(&d, clock.as_ref()).await });
+        }
+        let mut failed = None;
+        while let Some(done) = work.join_next().await {
+            let e = match done {
+                Ok(Ok(a)) => {
+                    report.add(&a);
+                    continue;
+                }
+                Ok(Err(e)) => e.to_string(),
+                Err(e) => format!("a push panicked: {e}"),
+            };
+            report.errors += 1;
+            tracing::error!(event = "delivery_failed", error = %e);
+            failed = Some(e);
+        }
+        failed
     }
 
     /// Claims one due push, sends it, and records the outcome.

@@ -83,26 +83,8 @@ pub async fn deliver_batch(
     due: Vec<DueDelivery>,
     clock: Arc<dyn Clock>,
 ) -> Result<SweepReport, lambda_runtime::Error> {
-    let mut work = tokio::task::JoinSet::new();
-    for d in due {
-        let (me, clock) = (deliverer.clone(), clock.clone());
-        work.spawn(async move { me.deliver(&d, clock.as_ref()).await });
-    }
     let mut report = SweepReport::default();
-    let mut failed = None;
-    while let Some(done) = work.join_next().await {
-        match done {
-            Ok(Ok(a)) => report.add(&a),
-            Ok(Err(e)) => {
-                report.errors += 1;
-                failed = Some(e.to_string());
-            }
-            Err(e) => {
-                report.errors += 1;
-                failed = Some(e.to_string());
-            }
-        }
-    }
+    let failed = deliverer.deliver_all(due, &clock, &mut report).await;
     match failed {
         Some(e) => {
             report.emit();
