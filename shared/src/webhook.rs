@@ -1326,42 +1326,10 @@ mod tests {
 
     // ---- An independent verifier: the Standard Webhooks Python library.
 
-    fn repo_root() -> std::path::PathBuf {
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-    }
-
-    /// The venv's python, with `standardwebhooks` importable: installed by `infra/tools.sh sdk`
-    /// (infra/requirements-sdk.txt) when it is not there yet.
-    fn python_with_standardwebhooks() -> std::path::PathBuf {
-        let python = repo_root().join(".venv/bin/python");
-        let importable = || {
-            std::process::Command::new(&python)
-                .args(["-c", "import standardwebhooks.webhooks"])
-                .stderr(std::process::Stdio::null())
-                .status()
-                .is_ok_and(|s| s.success())
-        };
-        if !importable() {
-            let tools = std::process::Command::new("bash")
-                .arg(repo_root().join("infra/tools.sh"))
-                .arg("sdk")
-                .status()
-                .expect("running infra/tools.sh sdk");
-            assert!(tools.success(), "infra/tools.sh sdk failed: cannot install standardwebhooks into .venv");
-            assert!(
-                importable(),
-                "infra/tools.sh sdk ran but {} still cannot import standardwebhooks \
-                 (is it pinned in infra/requirements-sdk.txt? it needs Python 3.10+)",
-                python.display()
-            );
-        }
-        python
-    }
-
     #[test]
     fn the_standard_webhooks_python_library_verifies_our_signatures() {
         use std::io::Write;
-        let python = python_with_standardwebhooks();
+        let python = crate::testkit::receiver::python_with_standardwebhooks().expect("the reference library");
         let (cur, cur_text) = WebhookSecret::generate();
         let (prev, prev_text) = WebhookSecret::generate();
         let (_, other_text) = WebhookSecret::generate();
@@ -1422,7 +1390,7 @@ mod tests {
         }
 
         let mut child = std::process::Command::new(&python)
-            .arg(repo_root().join("tests/compat/webhook_verify.py"))
+            .arg(crate::testkit::receiver::webhook_verify_script())
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())

@@ -142,12 +142,10 @@ async fn answer(st: &Mutex<State>, clock: &dyn Clock, uri: &Uri, headers: &Heade
     }
 }
 
-/// Checks every hit's signature with the Standard Webhooks reference library (Python
-/// `standardwebhooks`, pinned in `infra/requirements-sdk.txt`, installed by `infra/tools.sh sdk`
-/// if missing), each at the time it was received. Returns one answer per hit: `ok` or
-/// `fail: <reason>`.
-pub fn verify_with_reference(secret: &str, hits: &[Hit]) -> anyhow::Result<Vec<String>> {
-    use std::io::Write;
+/// The repo's `.venv` python with the Standard Webhooks reference library (`standardwebhooks`,
+/// pinned in `infra/requirements-sdk.txt`) importable: `infra/tools.sh sdk` installs it when it
+/// is not there yet. Fails with a clear message if it cannot be installed.
+pub fn python_with_standardwebhooks() -> anyhow::Result<std::path::PathBuf> {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let python = root.join(".venv/bin/python");
     let importable = || {
@@ -159,10 +157,27 @@ pub fn verify_with_reference(secret: &str, hits: &[Hit]) -> anyhow::Result<Vec<S
     };
     if !importable() {
         let ok = std::process::Command::new("bash").arg(root.join("infra/tools.sh")).arg("sdk").status()?;
-        anyhow::ensure!(ok.success() && importable(), "infra/tools.sh sdk could not install standardwebhooks");
+        anyhow::ensure!(
+            ok.success() && importable(),
+            "infra/tools.sh sdk could not make standardwebhooks importable by {} (it needs Python 3.10+)",
+            python.display()
+        );
     }
+    Ok(python)
+}
+
+/// The verifier script the reference library runs in (`tests/compat/webhook_verify.py`).
+pub fn webhook_verify_script() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/compat/webhook_verify.py")
+}
+
+/// Checks every hit's signature with the Standard Webhooks reference library, each at the time
+/// it was received. Returns one answer per hit: `ok` or `fail: <reason>`.
+pub fn verify_with_reference(secret: &str, hits: &[Hit]) -> anyhow::Result<Vec<String>> {
+    use std::io::Write;
+    let python = python_with_standardwebhooks()?;
     let mut child = std::process::Command::new(&python)
-        .arg(root.join("tests/compat/webhook_verify.py"))
+        .arg(webhook_verify_script())
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .spawn()?;
