@@ -7,55 +7,21 @@
 //! 5 min, parking after the 7th attempt — is the simulation's (`tests/sim/tests/delivery.rs`).
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fake_captchaai::{FakeCaptchaAi, FakeConfig};
+
+mod common;
+use common::{Relay, spawn_relay as spawn_relay_with, wait_healthy};
 use relay_shared::testkit::receiver::{Receiver, verify_with_reference};
 use relay_shared::time::{Clock, SystemClock};
 
 const KEY: &str = "delivery-test-key-0123456789";
 const PATTERNS: [(&str, usize); 5] = [("ok", 600), ("once", 200), ("limited", 100), ("slow", 50), ("gone", 50)];
 
-struct Relay(std::process::Child);
-
-impl Drop for Relay {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 fn spawn_relay(port: u16, data: &std::path::Path, fake: &FakeCaptchaAi) -> Relay {
-    let child = Command::new(env!("CARGO_BIN_EXE_relay-local"))
-        .arg("serve")
-        .env("RELAY_BIND", format!("127.0.0.1:{port}"))
-        .env("RELAY_DATA_DIR", data)
-        .env("RELAY_API_KEY", KEY)
-        .env("CALLBACK_SIGNING_SECRET", "delivery-test-signing-secret")
-        .env("CAPTCHAAI_API_KEY", fake.api_key())
-        .env("CAPTCHAAI_BASE_URL", fake.base_url())
-        .env("RELAY_PUBLIC_URL", format!("http://127.0.0.1:{port}"))
-        .env("RELAY_WEBHOOK_ALLOW_LOOPBACK", "1")
-        .env("POLL_INTERVAL_SECS", "1")
-        .env("CALLBACK_GRACE_SECS", "5")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn relay-local");
-    Relay(child)
-}
-
-async fn wait_healthy(http: &reqwest::Client, port: u16) -> anyhow::Result<()> {
-    let until = Instant::now() + Duration::from_secs(30);
-    while Instant::now() < until {
-        if http.get(format!("http://127.0.0.1:{port}/health")).send().await.is_ok() {
-            return Ok(());
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    anyhow::bail!("relay never became healthy")
+    spawn_relay_with(port, data, fake, KEY, &[("RELAY_WEBHOOK_ALLOW_LOOPBACK", "1")])
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

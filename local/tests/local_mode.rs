@@ -6,14 +6,13 @@ use std::time::{Duration, Instant};
 
 use fake_captchaai::{FakeCaptchaAi, FakeConfig};
 
-fn tmp_dir() -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("relay-local-test-{}", uuid::Uuid::new_v4().simple()));
-    std::fs::create_dir_all(&d).expect("tmp dir");
-    d
-}
+mod common;
+use common::{Relay, free_port, tmp_dir, wait_healthy};
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("free port")
+const KILL_KEY: &str = "kill-test-key-0123456789";
+
+fn spawn_relay(port: u16, data: &std::path::Path, fake: &FakeCaptchaAi) -> common::Relay {
+    common::spawn_relay(port, data, fake, KILL_KEY, &[])
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -25,45 +24,6 @@ async fn the_demo_loses_nothing_and_its_table_matches_the_fake() -> anyhow::Resu
     assert!(report.dead_lettered >= report.by_redrive, "{}", report.table());
     assert_eq!(report.conflicts, 1, "the conflicting pingback was answered as a conflict:\n{}", report.table());
     Ok(())
-}
-
-struct Relay(std::process::Child);
-
-impl Drop for Relay {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn spawn_relay(port: u16, data: &std::path::Path, fake: &FakeCaptchaAi) -> Relay {
-    let child = Command::new(env!("CARGO_BIN_EXE_relay-local"))
-        .arg("serve")
-        .env("RELAY_BIND", format!("127.0.0.1:{port}"))
-        .env("RELAY_DATA_DIR", data)
-        .env("RELAY_API_KEY", "kill-test-key-0123456789")
-        .env("CALLBACK_SIGNING_SECRET", "kill-test-signing-secret")
-        .env("CAPTCHAAI_API_KEY", fake.api_key())
-        .env("CAPTCHAAI_BASE_URL", fake.base_url())
-        .env("RELAY_PUBLIC_URL", format!("http://127.0.0.1:{port}"))
-        .env("POLL_INTERVAL_SECS", "1")
-        .env("CALLBACK_GRACE_SECS", "5")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn relay-local");
-    Relay(child)
-}
-
-async fn wait_healthy(http: &reqwest::Client, port: u16) -> anyhow::Result<()> {
-    let until = Instant::now() + Duration::from_secs(30);
-    while Instant::now() < until {
-        if http.get(format!("http://127.0.0.1:{port}/health")).send().await.is_ok() {
-            return Ok(());
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    anyhow::bail!("relay never became healthy")
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -78,7 +38,7 @@ async fn sigkill_mid_run_then_restart_on_the_same_data_completes_every_task_once
     for _ in 0..20 {
         let v: serde_json::Value = http
             .post(format!("http://127.0.0.1:{port}/tasks"))
-            .bearer_auth("kill-test-key-0123456789")
+            .bearer_auth(KILL_KEY)
             .header("content-type", "application/json")
             .body(r#"{"kind":"image","body":"iVBORw0KGgo="}"#)
             .send()
@@ -106,7 +66,7 @@ async fn sigkill_mid_run_then_restart_on_the_same_data_completes_every_task_once
         loop {
             let v: serde_json::Value = http
                 .get(format!("http://127.0.0.1:{port}/tasks/{r}"))
-                .bearer_auth("kill-test-key-0123456789")
+                .bearer_auth(KILL_KEY)
                 .send()
                 .await?
                 .json()
