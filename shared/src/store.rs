@@ -640,13 +640,44 @@ impl TaskStore {
     /// (a pingback that failed to store and came back through the dead-letter queue after a
     /// conflicting one), and an earlier receipt of the same result moves its receipt time back.
     /// A result that arrives after the expiry is kept on the task as its late result (a second
-    /// conditional write, only in that case).
+    /// conditional write, only in that case). The rare transitions (a replacement, an earlier
+    /// receipt, a result after a failed submit or for an expired task) also take a second write:
+    /// the first, with a short condition, is for an open task, which nearly every result finds.
     pub async fn record_result(&self, task_ref: &TaskRef, d: &Delivery) -> Result<RecordOutcome, StoreError> {
-        let mut req = self
-            .client
-            .update_item()
-            .table_name(&self.table)
-            .key(attr::PK, s(task_ref.as_ref()))
+        // The common case first: the task is open. Its condition is short, so the engine has
+        // little to parse and evaluate. A refusal returns the item, and every other transition
+        // the state machine allows (a replacement, an earlier receipt, a result after a failed
+        // submit or for an expired task received before the expiry) is written again under the
+        // full condition. Both are single conditional writes: exactly-once holds for each.
+        let open = self
+            .result_write(task_ref, d)
+            .condition_expression(
+                "#state IN (:submitting, :pending) AND (attribute_not_exists(captcha_id) OR captcha_id = :id)",
+            )
+            .expression_attribute_values(":submitting", s("submitting"))
+            .expression_attribute_values(":pending", s("pending"));
+        match open.send().await {
+            Ok(out) => self.written(task_ref, out, d),
+            Err(e) => match refused_item(&e) {
+                Some(None) => Ok(RecordOutcome::NotFound),
+                Some(Some(old)) => {
+                    let old = Task::try_from(old)?;
+                    match old.clone().apply(d.clone()) {
+                        Ok(Applied::Recorded(_) | Applied::Replaced(_) | Applied::Earlier(_)) => {
+                            self.record_result_full(task_ref, d).await
+                        }
+                        _ => self.classify_refused(task_ref, old, d).await,
+                    }
+                }
+                None => Err(sdk_error(e)),
+            },
+        }
+    }
+
+    /// The result write under the full condition: every transition the state machine allows.
+    async fn record_result_full(&self, task_ref: &TaskRef, d: &Delivery) -> Result<RecordOutcome, StoreError> {
+        let req = self
+            .result_write(task_ref, d)
             .condition_expression(
                 "attribute_exists(pk) AND (attribute_not_exists(captcha_id) OR captcha_id = :id) AND ( \
                  #state IN (:submitting, :pending) \
@@ -654,13 +685,48 @@ impl TaskStore {
                  OR (#state = :expired AND resolved_at >= :at) \
                  OR (#state IN (:solved, :failed) AND resolved_at > :at AND attribute_not_exists(handed_out_at)))",
             )
-            .expression_attribute_names("#state", attr::STATE)
             .expression_attribute_values(":submitting", s("submitting"))
             .expression_attribute_values(":pending", s("pending"))
             .expression_attribute_values(":failed", s("failed"))
             .expression_attribute_values(":solved", s("solved"))
             .expression_attribute_values(":expired", s("expired"))
-            .expression_attribute_values(":submit", s(Via::Submit.as_str()))
+            .expression_attribute_values(":submit", s(Via::Submit.as_str()));
+        match req.send().await {
+            Ok(out) => self.written(task_ref, out, d),
+            Err(e) => match refused_item(&e) {
+                Some(None) => Ok(RecordOutcome::NotFound),
+                Some(Some(old)) => self.classify_refused(task_ref, Task::try_from(old)?, d).await,
+                None => Err(sdk_error(e)),
+            },
+        }
+    }
+
+    /// What a result write that went through amounted to, from the item it replaced.
+    fn written(
+        &self,
+        task_ref: &TaskRef,
+        out: aws_sdk_dynamodb::operation::update_item::UpdateItemOutput,
+        d: &Delivery,
+    ) -> Result<RecordOutcome, StoreError> {
+        match decode(out.attributes.as_ref())?.apply(d.clone()) {
+            Ok(Applied::Recorded(task)) => Ok(RecordOutcome::Recorded(task)),
+            Ok(Applied::Replaced(task)) => Ok(RecordOutcome::Replaced(task)),
+            Ok(Applied::Earlier(task)) => Ok(RecordOutcome::Duplicate(task)),
+            other => {
+                Err(StoreError::Corrupt(format!("task {task_ref} took a result the state machine refuses ({other:?})")))
+            }
+        }
+    }
+
+    /// A result write without its condition: the update, its values (`:id` and `:at` included,
+    /// which both conditions use), and the old item returned either way.
+    fn result_write(&self, task_ref: &TaskRef, d: &Delivery) -> UpdateItemFluentBuilder {
+        let mut req = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key(attr::PK, s(task_ref.as_ref()))
+            .expression_attribute_names("#state", attr::STATE)
             .expression_attribute_values(":id", s(d.captcha_id.as_ref()))
             .expression_attribute_values(":at", n(d.received_at.as_millis()))
             .expression_attribute_values(":via", s(d.via.as_str()))
@@ -670,12 +736,13 @@ impl TaskStore {
         req = delivery_due(req, d.received_at);
         const COMMON: &str = "captcha_id = :id, resolved_at = :at, resolved_via = :via, expires_ttl = :ttl";
         const CLEAR: &str = "REMOVE poll_due_at, poll_shard, lease_owner, error_detail, submit_unknown";
-        req = match &d.outcome {
+        match &d.outcome {
             Outcome::Solved(solution) => req
                 .update_expression(format!(
-                    "SET #state = :solved, solution = :solution, token_clock_start = :clock, {COMMON}, {DELIVERY_DUE} \
-                     {CLEAR}, {DELIVERY_CLEAR}, error_code"
+                    "SET #state = :solvedstate, solution = :solution, token_clock_start = :clock, {COMMON}, \
+                     {DELIVERY_DUE} {CLEAR}, {DELIVERY_CLEAR}, error_code"
                 ))
+                .expression_attribute_values(":solvedstate", s("solved"))
                 .expression_attribute_values(":solution", s(solution.expose()))
                 .expression_attribute_values(":clock", n(d.token_clock_start.as_millis())),
             Outcome::Failed(code) => req
@@ -686,22 +753,6 @@ impl TaskStore {
                 ))
                 .expression_attribute_values(":failedstate", s("failed"))
                 .expression_attribute_values(":code", s(code.as_ref())),
-        };
-        match req.send().await {
-            // What the write amounted to follows from the item it replaced.
-            Ok(out) => match decode(out.attributes.as_ref())?.apply(d.clone()) {
-                Ok(Applied::Recorded(task)) => Ok(RecordOutcome::Recorded(task)),
-                Ok(Applied::Replaced(task)) => Ok(RecordOutcome::Replaced(task)),
-                Ok(Applied::Earlier(task)) => Ok(RecordOutcome::Duplicate(task)),
-                other => Err(StoreError::Corrupt(format!(
-                    "task {task_ref} took a result the state machine refuses ({other:?})"
-                ))),
-            },
-            Err(e) => match refused_item(&e) {
-                Some(None) => Ok(RecordOutcome::NotFound),
-                Some(Some(old)) => self.classify_refused(task_ref, Task::try_from(old)?, d).await,
-                None => Err(sdk_error(e)),
-            },
         }
     }
 
@@ -926,10 +977,9 @@ impl TaskStore {
     /// The earliest `poll_due_at` after `now` across the index's shards: when the poller will
     /// next have work (leases included: a lapsing lease is work). One small Query per shard.
     pub async fn next_due_after(&self, now: Timestamp) -> Result<Option<Timestamp>, StoreError> {
-        let mut next: Option<Timestamp> = None;
-        for shard in 0..POLL_SHARDS {
-            let out = self
-                .client
+        // The shards at once: an idle tick's time is these round trips.
+        let queries = (0..POLL_SHARDS).map(|shard| {
+            self.client
                 .query()
                 .table_name(&self.table)
                 .index_name(DUE_INDEX)
@@ -939,8 +989,10 @@ impl TaskStore {
                 .projection_expression("poll_due_at")
                 .limit(1)
                 .send()
-                .await
-                .map_err(sdk_error)?;
+        });
+        let mut next: Option<Timestamp> = None;
+        for out in futures_util::future::join_all(queries).await {
+            let out = out.map_err(sdk_error)?;
             if let Some(t) = out.items().first().map(|i| req_ts(i, attr::POLL_DUE_AT)).transpose()? {
                 next = Some(next.map_or(t, |n| n.min(t)));
             }
