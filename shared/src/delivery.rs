@@ -294,8 +294,9 @@ impl Deliverer {
                 break;
             }
             let mut batch = Vec::new();
-            for shard in 0..POLL_SHARDS {
-                match self.store.due_deliveries(shard, now, 100, None).await {
+            let pages = (0..POLL_SHARDS).map(|shard| self.store.due_deliveries(shard, now, 100, None));
+            for page in futures_util::future::join_all(pages).await {
+                match page {
                     Ok((due, _)) => batch.extend(due),
                     Err(e) => {
                         report.errors += 1;

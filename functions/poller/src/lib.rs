@@ -440,19 +440,23 @@ impl<'a> DueStream<'a> {
     }
 
     async fn next(&mut self) -> Option<DueTask> {
-        for c in &mut self.shards {
-            if c.buffered.is_empty() && !c.done {
-                match self.store.due_page(c.shard, self.now, self.page_size, c.next_page.take()).await {
-                    Ok(page) => {
-                        c.done = page.next.is_none();
-                        c.next_page = page.next;
-                        c.buffered.extend(page.tasks);
-                    }
-                    Err(e) => {
-                        tracing::error!(event = "poll_query_failed", shard = c.shard, error = %e);
-                        self.errors += 1;
-                        c.done = true;
-                    }
+        // Every shard that needs a page gets it at once: a pass's first listing is one round trip.
+        let (store, now, page_size) = (self.store, self.now, self.page_size);
+        let refills = self.shards.iter_mut().filter(|c| c.buffered.is_empty() && !c.done).map(|c| async move {
+            let page = store.due_page(c.shard, now, page_size, c.next_page.take()).await;
+            (c, page)
+        });
+        for (c, page) in futures_util::future::join_all(refills).await {
+            match page {
+                Ok(page) => {
+                    c.done = page.next.is_none();
+                    c.next_page = page.next;
+                    c.buffered.extend(page.tasks);
+                }
+                Err(e) => {
+                    tracing::error!(event = "poll_query_failed", shard = c.shard, error = %e);
+                    self.errors += 1;
+                    c.done = true;
                 }
             }
         }

@@ -116,10 +116,8 @@ impl TaskStore {
     /// The earliest `dlv_due` across the shards (a lease's end counts: a lapsing lease is work),
     /// for the age of the oldest push owed. One Query of one item per shard.
     pub async fn oldest_delivery_due(&self) -> Result<Option<Timestamp>, StoreError> {
-        let mut oldest: Option<Timestamp> = None;
-        for shard in 0..super::POLL_SHARDS {
-            let out = self
-                .client
+        let queries = (0..super::POLL_SHARDS).map(|shard| {
+            self.client
                 .query()
                 .table_name(&self.table)
                 .index_name(DELIVERY_INDEX)
@@ -128,8 +126,10 @@ impl TaskStore {
                 .expression_attribute_values(":parked", n(PARKED_BASE))
                 .limit(1)
                 .send()
-                .await
-                .map_err(sdk_error)?;
+        });
+        let mut oldest: Option<Timestamp> = None;
+        for out in futures_util::future::join_all(queries).await {
+            let out = out.map_err(sdk_error)?;
             for item in out.items() {
                 let d = due_of(item)?;
                 oldest = Some(oldest.map_or(d.due_at, |o| o.min(d.due_at)));
