@@ -21,6 +21,12 @@ cargo build "${flag[@]}" --locked -p relay-bench -p relay-local
 # bench's test features.
 echo "==> building the four functions ($profile)"
 cargo build "${flag[@]}" --locked -p relay-api -p relay-callback -p relay-poller -p relay-redrive -p relay-delivery -p relay-bench-hello
+if [ "$profile" = release ] && command -v valgrind >/dev/null; then
+  # The release build's twin with its symbols kept: part 1 counts instructions on it
+  # (callgrind) and splits them into engine, SDK client and the relay's own work.
+  echo "==> building the bench with symbols (profile profiling)"
+  cargo build --profile profiling --locked -p relay-bench
+fi
 source infra/moto.sh
 start_moto
 echo "==> relay-bench $*"

@@ -63,7 +63,8 @@ pub async fn run(opts: &Opts) -> anyhow::Result<String> {
         Some(moto) => engines.push(measure("moto", moto, &sizes).await?),
         None => eprintln!("no moto server given (--moto): part 1 runs on the embedded engine only"),
     }
-    Ok(render(&engines, &sizes))
+    let instructions = instruction_counts(opts.quick).await?;
+    Ok(render(&engines, &sizes, instructions.as_ref()))
 }
 
 struct Rig {
@@ -158,6 +159,170 @@ impl Rig {
             Err(e) => Err(anyhow::anyhow!("bare UpdateItem: {}", aws_sdk_dynamodb::error::DisplayErrorContext(e))),
         }
     }
+}
+
+/// One side and case for an instruction count (`relay-bench --callgrind-probe
+/// handler|store|bare:write|dup:CALLS:SETUP`, run under `valgrind --tool=callgrind` by [`run`]):
+/// SETUP tasks made pending on the embedded engine (and, for duplicates, their first delivery
+/// written by the store), then the first CALLS of them called. Two runs that differ only in CALLS
+/// give the instructions per call by difference, whatever the set-up costs.
+pub async fn probe(spec: &str) -> anyhow::Result<()> {
+    let parts: Vec<&str> = spec.split(':').collect();
+    let [side, case, calls, setup] = parts[..] else {
+        anyhow::bail!("--callgrind-probe takes SIDE:CASE:CALLS:SETUP, got `{spec}`");
+    };
+    let side = match side {
+        "handler" => Side::Handler,
+        "store" => Side::Store,
+        "bare" => Side::Bare,
+        other => anyhow::bail!("unknown side `{other}` (handler, store, bare)"),
+    };
+    let first = match case {
+        "write" => true,
+        "dup" => false,
+        other => anyhow::bail!("unknown case `{other}` (write, dup)"),
+    };
+    let (calls, setup): (usize, usize) = (calls.parse()?, setup.parse()?);
+    anyhow::ensure!(calls <= setup, "CALLS must not exceed SETUP");
+    let embedded = LocalDynamo::start().await?;
+    let rig = Rig::new(&embedded.endpoint).await?;
+    // The same warm-up as the timed rounds: the connection pool and the engine's caches.
+    let warm = rig.pending_tasks(20).await?;
+    timed(&rig, Side::Handler, &warm[..10], true).await?;
+    timed(&rig, Side::Bare, &warm[10..], true).await?;
+    let tasks = rig.pending_tasks(setup).await?;
+    if !first {
+        timed(&rig, side, &tasks, true).await?;
+    }
+    if matches!(side, Side::Handler) {
+        // `timed` builds each call's request (the runtime's event decoding, not the handler's
+        // work): build the rest too, so runs that differ in CALLS build as many.
+        for (r, id) in &tasks[calls..] {
+            drop(rig.request(r, id));
+        }
+    }
+    timed(&rig, side, &tasks[..calls], first).await?;
+    Ok(())
+}
+
+/// Instructions per call counted by callgrind, whole process on one thread (SDK client, handler,
+/// and the embedded engine serving it), per case [write, duplicate] and side [handler, store
+/// alone, bare].
+struct Instructions {
+    counts: [[Count; 3]; 2],
+    /// The binary counted: the release build itself, or its twin with symbols kept.
+    binary: String,
+}
+
+/// One side's instructions per call, and where they went when the binary has symbols.
+#[derive(Default, Clone, Copy)]
+struct Count {
+    total: f64,
+    /// The engine serving the request (dynoxide's dispatch, SQLite under it).
+    engine: Option<f64>,
+    /// The SDK client's `send`: serialize, sign, HTTP, parse the answer.
+    client: Option<f64>,
+    /// The relay's own work around the write: the handler's (or the store's) minus `send`.
+    own: Option<f64>,
+}
+
+/// Inclusive instructions of the functions whose names contain `name`, from callgrind_annotate.
+fn inclusive(out: &std::path::Path, names: &[&str]) -> Option<Vec<f64>> {
+    let text = std::process::Command::new("callgrind_annotate")
+        .args(["--inclusive=yes", "--threshold=100", "--show-percs=no"])
+        .arg(out)
+        .output()
+        .ok()?
+        .stdout;
+    let text = String::from_utf8_lossy(&text);
+    names
+        .iter()
+        .map(|name| {
+            text.lines()
+                .find(|l| l.contains(name))
+                .and_then(|l| l.split_whitespace().next().and_then(|n| n.replace(',', "").parse::<f64>().ok()))
+        })
+        .collect()
+}
+
+/// Runs [`probe`] under `valgrind --tool=callgrind` for each side and case, twice (CALLS and
+/// SETUP calls) and takes the difference per call. `None` when valgrind is not installed or in
+/// the smoke version. The release build's twin with symbols (`--profile profiling`, which
+/// `infra/bench.sh` builds) is counted when it is there, for the breakdown.
+async fn instruction_counts(quick: bool) -> anyhow::Result<Option<Instructions>> {
+    let has_valgrind =
+        std::process::Command::new("valgrind").arg("--version").output().is_ok_and(|o| o.status.success());
+    if !has_valgrind || quick {
+        return Ok(None);
+    }
+    let (calls, setup) = (25usize, 50usize);
+    let symbols = Opts::root().join("target/profiling/relay-bench");
+    let exe = if symbols.exists() { symbols } else { std::env::current_exe()? };
+    let dir = Opts::root().join("target/bench-callgrind");
+    std::fs::create_dir_all(&dir)?;
+    let mut jobs = Vec::new();
+    for case in ["write", "dup"] {
+        for side in ["handler", "store", "bare"] {
+            for n in [calls, setup] {
+                jobs.push((case, side, n, dir.join(format!("{side}-{case}-{n}.out"))));
+            }
+        }
+    }
+    // Two at a time: the machine's cores. Each count is of its own process, so load does not
+    // change it.
+    let sem = Arc::new(tokio::sync::Semaphore::new(2));
+    let mut set = tokio::task::JoinSet::new();
+    for (case, side, n, out) in jobs {
+        let (sem, exe) = (sem.clone(), exe.clone());
+        set.spawn(async move {
+            let _permit = sem.acquire_owned().await?;
+            let status = tokio::process::Command::new("valgrind")
+                .arg("--tool=callgrind")
+                .arg(format!("--callgrind-out-file={}", out.display()))
+                .arg(&exe)
+                .arg(format!("--callgrind-probe={side}:{case}:{n}:{setup}"))
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .status()
+                .await?;
+            anyhow::ensure!(status.success(), "callgrind run {side}:{case}:{n} failed ({status})");
+            let text = std::fs::read_to_string(&out)?;
+            let total = text
+                .lines()
+                .find_map(|l| l.strip_prefix("totals:").or_else(|| l.strip_prefix("summary:")))
+                .and_then(|v| v.split_whitespace().next()?.parse::<f64>().ok())
+                .ok_or_else(|| anyhow::anyhow!("no total in {}", out.display()))?;
+            let own_fn = match side {
+                "handler" => "relay_callback::respond::{{closure}}",
+                "store" => "relay_shared::store::TaskStore::record_result::{{closure}}",
+                _ => "UpdateItemFluentBuilder::send::{{closure}}",
+            };
+            let parts = tokio::task::spawn_blocking(move || {
+                inclusive(&out, &["dynoxide::server::dispatch ", "UpdateItemFluentBuilder::send::{{closure}}", own_fn])
+            })
+            .await?;
+            Ok::<_, anyhow::Error>((case, side, n, total, parts))
+        });
+    }
+    let mut runs = HashMap::new();
+    while let Some(r) = set.join_next().await {
+        let (case, side, n, total, parts) = r??;
+        runs.insert((case, side, n), (total, parts));
+    }
+    let per_call = |case: &str, side: &str| {
+        let ((a, pa), (b, pb)) = (&runs[&(case, side, calls)], &runs[&(case, side, setup)]);
+        let d = |x: f64, y: f64| (y - x) / (setup - calls) as f64;
+        let parts = pa.as_ref().zip(pb.as_ref()).map(|(pa, pb)| [0, 1, 2].map(|i| d(pa[i], pb[i])));
+        Count {
+            total: d(*a, *b),
+            engine: parts.map(|p| p[0]),
+            client: parts.map(|p| p[1]),
+            own: parts.map(|p| p[2] - p[1]),
+        }
+    };
+    let counts = ["write", "dup"].map(|case| ["handler", "store", "bare"].map(|side| per_call(case, side)));
+    let binary = exe.strip_prefix(Opts::root()).unwrap_or(&exe).display().to_string();
+    Ok(Some(Instructions { counts, binary }))
 }
 
 #[derive(Clone, Copy)]
@@ -295,7 +460,7 @@ async fn measure(engine: &'static str, endpoint: &str, sizes: &Sizes) -> anyhow:
     Ok(EngineFigures { engine, write, dup, cpu, cached, throughput: (throughput[0], throughput[1]) })
 }
 
-fn render(engines: &[EngineFigures], sizes: &Sizes) -> String {
+fn render(engines: &[EngineFigures], sizes: &Sizes, instructions: Option<&Instructions>) -> String {
     let mut s = format!(
         "## 1. Callback path: the handler against the one write it needs\n\n\
          The callback handler as the Lambda runs it (JSON log subscriber and EMF recorder installed; \
@@ -352,6 +517,47 @@ fn render(engines: &[EngineFigures], sizes: &Sizes) -> String {
                 h.median / b.median.max(1e-9)
             ));
         }
+    }
+    match instructions {
+        Some(ins) => {
+            s.push_str(&format!(
+                "\nInstructions per call, counted by callgrind (`valgrind --tool=callgrind`, binary `{}`): the \
+                 whole process on one thread — SDK client, handler, and the embedded engine serving it — the \
+                 same from run to run whatever else the machine does. Per call = the difference between two \
+                 runs that differ only in the number of calls (25 and 50; the set-up is the same), divided \
+                 by 25. Where the binary has symbols, each is split into the engine serving the write \
+                 (dynoxide and SQLite), the SDK client's `send` (serialize, sign, HTTP, parse the answer), \
+                 and the relay's own work around it; the rest is the runtime and the engine's HTTP server.\n\n\
+                 | case | side | instructions | engine | SDK client | relay's own | ÷ bare | target |\n\
+                 | --- | --- | --- | --- | --- | --- | --- | --- |\n",
+                ins.binary
+            ));
+            let k = |v: Option<f64>| v.map_or("—".to_owned(), |v| format!("{:.0} k", v / 1e3));
+            for (i, case) in ["first delivery", "duplicate"].iter().enumerate() {
+                let bare = ins.counts[i][2].total.max(1.0);
+                for (j, side) in ["handler", "store write alone", "bare UpdateItem"].iter().enumerate() {
+                    let c = ins.counts[i][j];
+                    let ratio = c.total / bare;
+                    let target = match j {
+                        0 if ratio <= TARGET_RATIO => "met",
+                        0 => "missed",
+                        _ => "",
+                    };
+                    s.push_str(&format!(
+                        "| {case} | {side} | {:.0} k | {} | {} | {} | {} | {target} |\n",
+                        c.total / 1e3,
+                        k(c.engine),
+                        k(c.client),
+                        // The store's own work is inlined into its caller: not split out.
+                        if j == 0 { k(c.own) } else { "—".to_owned() },
+                        if j == 2 { "1.00×".to_owned() } else { format!("**{ratio:.2}×**") },
+                    ));
+                }
+            }
+        }
+        None => s.push_str(
+            "\nInstruction counts: not taken in this run (the smoke version, or valgrind is not installed).\n",
+        ),
     }
     s.push_str("\nThroughput, 16 concurrent callers, first deliveries:\n\n| engine | handler | bare UpdateItem | ratio |\n| --- | --- | --- | --- |\n");
     for e in engines {

@@ -44,6 +44,10 @@ pub struct Opts {
     /// The Python virtualenv with the comparison apps' packages (tests/bench/py/requirements.txt).
     #[arg(long, default_value = ".venv-bench")]
     pub venv: PathBuf,
+    /// Internal: run one side and case of part 1 for an instruction count under callgrind
+    /// (`handler|store|bare:write|dup:CALLS:SETUP`) and exit; part 1 starts these itself.
+    #[arg(long, hide = true)]
+    pub callgrind_probe: Option<String>,
 }
 
 impl Opts {
@@ -64,6 +68,10 @@ fn main() -> anyhow::Result<()> {
     }
     std::env::set_current_dir(Opts::root())?;
     telemetry::install();
+    if let Some(spec) = &opts.callgrind_probe {
+        // One thread: the count is then the same from run to run.
+        return tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(callback::probe(spec));
+    }
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let mut report = report::Report::new(&opts)?;
     let mut failed = Vec::new();
