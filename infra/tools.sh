@@ -3,7 +3,7 @@
 # processes at once): a Python venv at .venv with infra/requirements-dev.txt, or with only moto
 # (`infra/tools.sh moto`, what plain `cargo test` needs). Rust crates come from Cargo.lock.
 # `infra/tools.sh bench`: what the performance bench needs on top — the `wrk` load generator
-# (apt-get, as root on Debian) and a venv at .venv-bench with the comparison apps' packages
+# and valgrind (apt-get, as root on Debian) and a venv at .venv-bench with the comparison apps' packages
 # (tests/bench/py/requirements.txt).
 # `infra/tools.sh sdk`: the official 2captcha clients the compatibility tests drive, unmodified —
 # 2captcha-python into .venv (infra/requirements-sdk.txt) and, where node is on the machine,
@@ -27,6 +27,17 @@ case "${1:-all}" in
       apt-get update -qq >&2
       DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk >/dev/null
       command -v wrk >/dev/null || { echo "apt-get did not install wrk" >&2; exit 1; }
+    fi
+    # valgrind (callgrind) for part 1's instruction counts: the full bench only, so not having
+    # it is a note in the report, not a failure.
+    if ! command -v valgrind >/dev/null; then
+      if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        echo "==> installing valgrind (apt-get)" >&2
+        apt-get update -qq >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq valgrind >/dev/null ||
+          echo "valgrind could not be installed: the bench's instruction counts will be missing" >&2
+      else
+        echo "valgrind is not installed (apt-get install valgrind): the bench's instruction counts will be missing" >&2
+      fi
     fi
     venv="$root/.venv-bench"
     req="$root/tests/bench/py/requirements.txt"
