@@ -14,4 +14,4 @@ for f in ApiFunction CallbackFunction PollerFunction RedriveFunction DeliveryFun
   python3 -c 'import sys; b=open(sys.argv[1],"rb").read(20); sys.exit(0 if b[:4]==b"\x7fELF" and int.from_bytes(b[18:20],"little")==183 else 1)' \
     ".aws-sam/build/$f/bootstrap" || { echo "$f: no arm64 bootstrap" >&2; exit 1; }
 done
-echo "sam build: 4 arm64 bootstraps"
+echo "sam build: 5 arm64 bootstraps"
