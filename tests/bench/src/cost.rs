@@ -232,7 +232,8 @@ pub async fn run(opts: &Opts) -> anyhow::Result<String> {
         None => crate::poller::stale(if opts.quick { 40 } else { 1_000 }, false).await?,
     };
     let idle = idle_tick(&deployed).await?;
-    Ok(render(&steps, kb, small_kb, &stale, &idle))
+    let sweep = idle_sweep().await?;
+    Ok(render(&steps, kb, small_kb, &stale, &idle, &sweep))
 }
 
 fn json_body(resp: &lambda_http::Response<lambda_http::Body>) -> serde_json::Value {
@@ -307,13 +308,49 @@ async fn idle_tick(deployed: &relay_sim::Deployed) -> anyhow::Result<Idle> {
     };
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let _ = crate::telemetry::flush_metrics();
+    // The table's creation went through the same client: count only the invocation's calls.
+    let before = counter.snapshot();
     let t = Instant::now();
     let deadline = clock.now().plus(deployed.poller_timeout);
     let report = relay_poller::run_invocation(&deps, clock, deadline).await;
     let cpu_ms = t.elapsed().as_secs_f64() * 1e3;
     anyhow::ensure!(report.res_php_requests == 0, "an idle tick read res.php");
+    // What this invocation published: flushed as the runtime flushes after it.
+    crate::telemetry::flush_metrics();
     let emf_metrics = crate::telemetry::metric_count();
-    Ok(Idle { ops: counter.snapshot(), cpu_ms, emf_metrics })
+    Ok(Idle { ops: calls_since(&before, &counter.snapshot()), cpu_ms, emf_metrics })
+}
+
+/// One delivery sweep with nothing due, as the schedule runs it every minute of an idle stack
+/// (the code's delivery settings, which a test holds equal to the template's; the function's
+/// 60 s timeout).
+async fn idle_sweep() -> anyhow::Result<Idle> {
+    use relay_shared::delivery::{Deliverer, DeliverySettings, KeySource};
+    let db = LocalDynamo::start().await?;
+    let (client, counter) = db.counting_client();
+    let table = format!("idle-dlv-{}", uuid::Uuid::new_v4().simple());
+    relay_shared::store::schema::create_table(&client, &table).await?;
+    let store = TaskStore::new(client, table, Duration::from_secs(7 * 86_400));
+    let (secret, _) = relay_shared::webhook::WebhookSecret::generate();
+    let keys = KeySource::new(relay_shared::webhook::SigningKeys::new(secret, None), Some(store.clone()));
+    let deliverer = Arc::new(Deliverer::new(store, keys, DeliverySettings::default())?);
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let _ = crate::telemetry::flush_metrics();
+    let before = counter.snapshot();
+    let t = Instant::now();
+    let report = deliverer.sweep(clock.clone(), clock.now().plus(Duration::from_secs(60))).await;
+    report.emit();
+    let cpu_ms = t.elapsed().as_secs_f64() * 1e3;
+    anyhow::ensure!(report.delivered + report.retried + report.errors == 0, "an idle sweep did something: {report:?}");
+    // What this invocation published: flushed as the runtime flushes after it.
+    crate::telemetry::flush_metrics();
+    let emf_metrics = crate::telemetry::metric_count();
+    Ok(Idle { ops: calls_since(&before, &counter.snapshot()), cpu_ms, emf_metrics })
+}
+
+/// The calls made between two snapshots of a counter, by operation.
+fn calls_since(before: &HashMap<String, u64>, after: &HashMap<String, u64>) -> HashMap<String, u64> {
+    after.iter().map(|(op, n)| (op.clone(), n - before.get(op).copied().unwrap_or(0))).filter(|(_, n)| *n > 0).collect()
 }
 
 /// Counts in template.yaml: alarms (and the metrics each watches), dashboards, KMS keys.
@@ -331,7 +368,7 @@ fn template_counts() -> anyhow::Result<(usize, usize, usize, u64)> {
     Ok((plain + math_metrics, count("AWS::CloudWatch::Dashboard"), count("AWS::KMS::Key"), memory))
 }
 
-fn render(steps: &[Step], kb: f64, small_kb: f64, stale: &crate::poller::PollRun, idle: &Idle) -> String {
+fn render(steps: &[Step], kb: f64, small_kb: f64, stale: &crate::poller::PollRun, idle: &Idle, sweep: &Idle) -> String {
     let (alarm_metrics, dashboards, keys, memory_mb) = template_counts().unwrap_or((0, 0, 0, 256));
     let gb = memory_mb as f64 / 1024.0;
     let mut s = format!(
@@ -406,8 +443,12 @@ fn render(steps: &[Step], kb: f64, small_kb: f64, stale: &crate::poller::PollRun
     let minutes = 43_200.0;
     let idle_calls = idle.ops.values().sum::<u64>() as f64;
     let idle_ms = (idle.cpu_ms + idle_calls * DYNAMODB_CALL_MS).ceil();
-    let idle_rru =
-        idle.ops.get("Query").copied().unwrap_or(0) as f64 * 0.5 + idle.ops.get("GetItem").copied().unwrap_or(0) as f64;
+    let rru = |i: &Idle| {
+        i.ops.get("Query").copied().unwrap_or(0) as f64 * 0.5 + i.ops.get("GetItem").copied().unwrap_or(0) as f64
+    };
+    let idle_rru = rru(idle);
+    let sweep_calls = sweep.ops.values().sum::<u64>() as f64;
+    let sweep_ms = (sweep.cpu_ms + sweep_calls * DYNAMODB_CALL_MS).ceil();
     let lines = [
         ("scheduler invocations (1 a minute)", minutes * price::SCHEDULER_INVOCATION),
         (
@@ -416,6 +457,16 @@ fn render(steps: &[Step], kb: f64, small_kb: f64, stale: &crate::poller::PollRun
         ),
         ("poller's DynamoDB reads", minutes * idle_rru * price::DYNAMODB_RRU),
         ("poller's logs", minutes * 600.0 * price::LOG_BYTE),
+        (
+            "delivery sweeps: scheduler, invocations and their time (1 a minute)",
+            minutes
+                * (price::SCHEDULER_INVOCATION
+                    + price::LAMBDA_REQUEST
+                    + sweep_ms / 1000.0 * gb * price::LAMBDA_ARM_GB_S),
+        ),
+        ("delivery sweeps' DynamoDB reads", minutes * rru(sweep) * price::DYNAMODB_RRU),
+        ("delivery sweeps' logs", minutes * 600.0 * price::LOG_BYTE),
+        ("custom metrics an idle delivery sweep publishes", sweep.emf_metrics as f64 * price::CUSTOM_METRIC_MONTH),
         ("redrive's SQS long polls (5 pollers, 20 s)", 5.0 * 3.0 * minutes * price::SQS_REQUEST),
         ("alarms", alarm_metrics as f64 * price::ALARM_METRIC_MONTH),
         ("dashboard", dashboards as f64 * price::DASHBOARD_MONTH),
@@ -425,8 +476,9 @@ fn render(steps: &[Step], kb: f64, small_kb: f64, stale: &crate::poller::PollRun
     let total: f64 = lines.iter().map(|(_, v)| v).sum();
     s.push_str(&format!(
         "\n**Idle stack, per month** (no traffic; one idle poller invocation measured: {} DynamoDB calls, \
-         {idle_ms:.0} ms billed): **${total:.2}**\n\n| item | $ per month |\n| --- | --- |\n",
-        idle_calls
+         {idle_ms:.0} ms billed; one idle delivery sweep: {} DynamoDB calls, {sweep_ms:.0} ms billed): **${total:.2}**\n\n\
+         | item | $ per month |\n| --- | --- |\n",
+        idle_calls, sweep_calls
     ));
     for (k, v) in lines {
         s.push_str(&format!("| {k} | {v:.2} |\n"));
