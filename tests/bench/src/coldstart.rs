@@ -141,14 +141,9 @@ struct Function {
     expect: &'static str,
 }
 
-/// CPU time of a process so far, all threads (`/proc/<pid>/task/*/schedstat`, ns), in ms.
+/// CPU time of a process so far, all threads, in ms.
 fn cpu_ms(pid: u32) -> f64 {
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return 0.0 };
-    let ns: u64 = tasks
-        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("schedstat")).ok())
-        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
-        .sum();
-    ns as f64 / 1e6
+    crate::stats::cpu_ns(&pid.to_string()).map_or(0.0, |ns| ns as f64 / 1e6)
 }
 
 fn vm_hwm_mb(pid: u32) -> f64 {

@@ -38,8 +38,13 @@ impl Spread {
 /// nanosecond resolution on Linux): a cost figure that other processes on a shared machine disturb
 /// far less than wall time. `None` where the kernel does not provide it.
 pub fn process_cpu_ns() -> Option<u64> {
+    cpu_ns("self")
+}
+
+/// The same for any process (`pid`, or `self`), from `/proc/<pid>/task/*/schedstat`.
+pub fn cpu_ns(pid: &str) -> Option<u64> {
     let mut total = 0u64;
-    for entry in std::fs::read_dir("/proc/self/task").ok()? {
+    for entry in std::fs::read_dir(format!("/proc/{pid}/task")).ok()? {
         let path = entry.ok()?.path().join("schedstat");
         // A thread may end between listing and reading: skip it.
         if let Ok(text) = std::fs::read_to_string(path) {
