@@ -32,7 +32,7 @@ fn template_settings() -> anyhow::Result<DeliverySettings> {
     Ok(DeliverySettings {
         timeout: Duration::from_secs(default("DeliveryTimeoutSeconds")?),
         max_attempts: u32::try_from(default("DeliveryMaxAttempts")?)?,
-        per_host_concurrency: usize::try_from(default("DeliveryPerHostConcurrency")?)?,
+        per_host_concurrency: u32::try_from(default("DeliveryPerHostConcurrency")?)?,
         per_host_per_second: u32::try_from(default("DeliveryPerHostPerSecond")?)?,
         // Loopback is where the receiver is; on AWS it is public_https (the unit tests of the
         // guard cover that).
