@@ -467,12 +467,15 @@ impl Deliverer {
         for d in due {
             self.spawn_push(&mut work, d, clock);
         }
-        let mut held = busy;
+        // The pushes hold their own guards now; this one would keep a simulated clock still
+        // while they wait on it.
+        drop(busy);
+        let mut held = None;
         let mut failed = None;
         while let Some(done) = work.join_next().await {
             let e = match done {
                 Ok((_, res, b)) => {
-                    held = b;
+                    held = Some(b);
                     match res {
                         Ok(a) => {
                             report.add(&a);
@@ -487,7 +490,7 @@ impl Deliverer {
             tracing::error!(event = "delivery_failed", error = %e);
             failed = Some(e);
         }
-        (failed, held)
+        (failed, held.unwrap_or_else(|| clock.busy()))
     }
 
     fn spawn_push(self: &Arc<Self>, work: &mut tokio::task::JoinSet<Child>, d: DueDelivery, clock: &Arc<dyn Clock>) {
