@@ -419,6 +419,7 @@ impl Deliverer {
                 if batch.is_empty() {
                     break;
                 }
+                let n = batch.len();
                 let (_, b) = self.deliver_all(batch, &clock, &mut report, busy).await;
                 busy = b;
                 if report.errors > 0 && !report.did_work() {

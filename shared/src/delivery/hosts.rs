@@ -291,6 +291,11 @@ impl Gate {
                             let mut st = self.lock();
                             st.mine.remove(&slot);
                             st.merge(record);
+                            if st.record.slots.get(&slot).is_none_or(|sl| sl.until <= now) {
+                                // Refused, yet the answer shows it free (the item changed under
+                                // us): keep off it a moment rather than ask again at once.
+                                st.record.slots.insert(slot, Slot { until: now.plus(Duration::from_millis(100)), began: None });
+                            }
                         }
                         Err(e) => {
                             tracing::warn!(event = "host_gate_unavailable", host = %self.host, error = %e);

@@ -7,7 +7,7 @@
 //! (`DELIVERY_PER_HOST_CONCURRENCY`); the item also keeps the host's adaptive limit (`lim`,
 //! moved AIMD-style by the workers, see [`crate::delivery`]), and a slot given back stays held
 //! until its request began plus `limit ÷ DELIVERY_PER_HOST_PER_SECOND`, which bounds the
-//! starts a second across every worker. Items expire (TTL) a day after their last use.
+//! starts a second across every worker. Items expire (TTL) a week after their last use.
 
 use std::collections::BTreeMap;
 
@@ -20,8 +20,9 @@ use crate::time::Timestamp;
 pub const HOST_PREFIX: &str = "host#";
 /// The most slots a host record has (`DELIVERY_PER_HOST_CONCURRENCY` is at most this).
 pub const MAX_SLOTS: u32 = 256;
-/// A host record outlives its last use by this long (then DynamoDB's TTL deletes it).
-const RECORD_TTL_SECS: u64 = 86_400;
+/// A host record outlives its last use by this long (then DynamoDB's TTL deletes it): as long
+/// as the tasks it served are kept (`RETENTION_DAYS`' default).
+const RECORD_TTL_SECS: u64 = 7 * 86_400;
 
 /// One slot of a host record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -351,8 +351,10 @@ async fn a_thousand_results_reach_a_failing_receiver_or_are_parked_and_listed() 
     }
     // Long enough for the whole standard schedule (the expired notice at the token's death,
     // then 5 s, 5 min, 30 min, 2 h, 5 h, 10 h, +20 % jitter).
+    let real = std::time::Instant::now();
     w.run_for(Duration::from_secs(22 * 3600)).await;
     worker.kill();
+    eprintln!("22 h simulated in {:?}", real.elapsed());
 
     let submitted = submitted.lock().map(|s| s.clone()).unwrap_or_default();
     assert_eq!(submitted.len(), 1000, "every task was accepted");
@@ -415,6 +417,7 @@ async fn a_thousand_results_reach_a_failing_receiver_or_are_parked_and_listed() 
     let sweep = tokio::spawn(async move { d.sweep_held(c2, deadline, busy).await.0 });
     w.run_for(Duration::from_secs(60)).await;
     let report = sweep.await?;
+    eprintln!("replayed in {:?}", real.elapsed());
     assert!(report.retried >= 50, "{report:?}");
     let again: BTreeSet<String> = receiver.hits()[before..].iter().map(|h| h.path.clone()).collect();
     assert_eq!(again.len(), 50, "every parked push was sent again");
