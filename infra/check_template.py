@@ -16,7 +16,7 @@ Checks:
                   secretsmanager:GetSecretValue grant naming it, conditional on a condition that
                   tests that parameter for the prefix, in every function reading it (the
                   function's SAM `Policies` or, with `Role:`, that role's inline policies).
-  knobs           every environment variable and template parameter the README names exists:
+  knobs           every environment variable and template parameter the README and docs/ name exists:
                   variables are read somewhere in the Rust code, parameters are in the template.
   compat-routes   the 2captcha-compatible /in.php and /res.php exist on the function serving
                   /tasks, for GET and POST (Method ANY), with `Authorizer: NONE` (SDKs cannot
@@ -671,7 +671,8 @@ def delivery_cases(t, broken, failures):
 
 def main():
     t = load(ROOT / "template.yaml")
-    readme = (ROOT / "README.md").read_text()
+    # The README and the pages it links to in docs/: every setting they name must exist.
+    readme = "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
     sources = rust_sources()
     if "--self-test" in sys.argv:
         failures = self_test(t, readme, sources)

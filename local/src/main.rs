@@ -145,7 +145,7 @@ async fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
             println!("  GET  {}/tasks/{{ref}}", relay.base_url);
             println!("  GET  {}/health", relay.base_url);
             println!(
-                "  2captcha-compatible: {0}/in.php and {0}/res.php, `key` = the API key (README: Use your existing 2captcha/CaptchaAI code)",
+                "  2captcha-compatible: {0}/in.php and {0}/res.php, `key` = the API key (docs/compat.md)",
                 relay.base_url
             );
             if let (Some(url), Some(ca)) = (&relay.tls_url, &relay.ca_path) {

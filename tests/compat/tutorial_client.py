@@ -2,8 +2,8 @@
 fallback poller), copied as it stands with one change: the host. `https://ocr.captchaai.com` is
 now the relay. CAPTCHAAI_API_KEY holds a relay key. Driven by local/tests/sdk.rs.
 
-The relay keeps the pingback URL on the task and pushes each result there (README: Push
-delivery); the tutorial's owner.example endpoint does not exist on this machine, so here the
+The relay keeps the pingback URL on the task and pushes each result there (docs/push-delivery.md);
+the tutorial's owner.example endpoint does not exist on this machine, so here the
 tutorial's fallback poller collects every result — from the relay's table,
 never from CaptchaAI. Its first poll comes 120-150 s after the submit — longer than a reCAPTCHA
 token lives (120 s from the solve) — so a token older than that is answered

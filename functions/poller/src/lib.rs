@@ -6,7 +6,7 @@
 //! (its finest rate), and the invocation keeps working through its minute for as long as tasks
 //! fall due inside it — sleeping until the next one is due — and ends at once when none will.
 //! That is what lets a task be read seconds after it falls due rather than up to a minute
-//! later, so a recovered reCAPTCHA token is still young (see the README, "The poller").
+//! later, so a recovered reCAPTCHA token is still young (see docs/poller.md).
 //!
 //! Within an invocation, each *pass* walks the due tasks oldest first across all index shards
 //! and, for each one, waits for a slot of the global rate limit, claims the task (a conditional
