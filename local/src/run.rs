@@ -322,6 +322,10 @@ impl LocalConfig {
     }
 }
 
+/// How often local mode's delivery worker looks over the due-for-delivery index for pushes it
+/// was not told of (written by another process, or owed from before a restart).
+pub const DELIVERY_CATCH_UP: Duration = Duration::from_secs(5);
+
 /// Local mode's push settings: the template's defaults, with loopback allowed only when asked.
 pub fn delivery_settings(cfg: &LocalConfig) -> relay_shared::delivery::DeliverySettings {
     use relay_shared::webhook::UrlPolicy;
@@ -407,9 +411,12 @@ pub async fn start(cfg: &LocalConfig, opts: Options) -> anyhow::Result<Running> 
     let flaky = if opts.flaky_store { Some(FlakyDynamo::start(&db.endpoint).await?) } else { None };
     let endpoint = flaky.as_ref().map_or(db.endpoint.clone(), |f| f.endpoint.clone());
     let retention = Duration::from_secs(7 * 86_400);
-    let store = TaskStore::new(client_for(&endpoint), table.clone(), retention);
-
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    // The delivery worker hears of each result as the store writes it (on AWS, the table's
+    // stream), and of its own retries as they fall due.
+    let (inbox, inbox_rx) = relay_shared::delivery::Inbox::new(clock.clone());
+    let store = TaskStore::new(client_for(&endpoint), table.clone(), retention).with_push_notifier(inbox.notifier());
+
     let queue = DiskQueue::open(&cfg.data_dir.join("dead-letters.sqlite"), clock.clone(), Duration::from_secs(30), 5)?;
 
     let (fake, cai_url, cai_key, callback_base) = match &cfg.captchaai_api_key {
@@ -495,31 +502,21 @@ pub async fn start(cfg: &LocalConfig, opts: Options) -> anyhow::Result<Running> 
         }
     });
     let (keys, _) = cfg.webhook_keys()?;
-    let deliverer = Arc::new(relay_shared::delivery::Deliverer::new(
-        store.clone(),
-        relay_shared::delivery::KeySource::new(keys, Some(store.clone())),
-        delivery_settings(cfg),
-    )?);
-    let (mut rx, clock3) = (stop_rx.clone(), clock.clone());
+    let deliverer = Arc::new(
+        relay_shared::delivery::Deliverer::new(
+            store.clone(),
+            relay_shared::delivery::KeySource::new(keys, Some(store.clone())),
+            delivery_settings(cfg),
+        )?
+        .with_wakeups(Arc::new(inbox)),
+    );
+    let (rx, clock3) = (stop_rx.clone(), clock.clone());
     workers.spawn(async move {
-        // The pushes owed: swept once a second (the stream's part on AWS), retries as they fall
-        // due. Killed mid-way, a claim lapses with its lease and the push is sent again, under
-        // the same webhook-id.
-        loop {
-            let deadline = clock3.now().plus(Duration::from_secs(55));
-            tokio::select! {
-                report = deliverer.sweep(clock3.clone(), deadline) => {
-                    if report != relay_shared::delivery::SweepReport::default() {
-                        tracing::debug!(?report, "local delivery sweep");
-                    }
-                }
-                _ = rx.wait_for(|s| *s) => break,
-            }
-            tokio::select! {
-                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
-                _ = rx.wait_for(|s| *s) => break,
-            }
-        }
+        // The pushes owed: each as its result is written, retries as they fall due, and a
+        // catch-up pass over the index every 5 s (and when a dead worker's claim lapses: killed
+        // mid-way, its claims come back and the pushes go out again, under the same webhook-id).
+        let report = deliverer.run(clock3, inbox_rx, DELIVERY_CATCH_UP, rx).await;
+        tracing::debug!(?report, "local delivery worker stopped");
     });
     let (mut rx, q, st) = (stop_rx, queue.clone(), store.clone());
     let redrive_every = opts.redrive_every.unwrap_or(Duration::from_millis(500));

@@ -227,6 +227,20 @@ impl SqsQueue {
         Ok(out.message_id.unwrap_or_default())
     }
 
+    /// Sends a message that becomes visible after `delay_secs` (at most 900, SQS's limit).
+    pub async fn send_delayed(&self, body: &str, delay_secs: u32) -> Result<String, QueueError> {
+        let out = self
+            .client
+            .send_message()
+            .queue_url(&self.url)
+            .message_body(body)
+            .delay_seconds(i32::try_from(delay_secs.min(900)).unwrap_or(900))
+            .send()
+            .await
+            .map_err(sqs_err)?;
+        Ok(out.message_id.unwrap_or_default())
+    }
+
     /// Receives up to `max` (≤ 10) messages, hidden for `visibility_secs`.
     pub async fn receive(&self, max: i32, visibility_secs: i32, wait_secs: i32) -> Result<Vec<Received>, QueueError> {
         let out = self

@@ -1,42 +1,52 @@
 //! Pushing each result to its owner's callback, at least once, signed the Standard Webhooks
-//! way. The same worker runs in the delivery Lambda (woken by the table's stream, and swept
-//! every minute) and in local mode (a loop).
+//! way, and scheduled against the life of what it carries. The same worker runs in the
+//! delivery Lambda (woken by the table's stream, by its retry queue and by a sweep every
+//! minute) and in local mode (a loop told of each result by the store as it is written).
 //!
 //! The outbox is the task item (see [`crate::store::deliveries`]): the terminal write made the
 //! push due. A push is claimed with a lease that counts its attempt, the result is pinned (a
-//! result once pushed never changes, as one shown by `GET /tasks/{ref}`), sent, and the outcome
-//! recorded under the lease. The `webhook-id` follows from the result ([`Task::webhook_id`]):
-//! the same on every retry and replay of the same result, so owners de-duplicate on it.
+//! result once pushed never changes, as one shown by `GET /tasks/{ref}`), it waits for its
+//! host's turn (earliest deadline first, within the host's limits: [`hosts`]), is sent, and the
+//! outcome is recorded under the lease; a failure is retried on the schedule that fits the
+//! result ([`schedule`]). The `webhook-id` follows from the result ([`Task::webhook_id`]): the
+//! same on every retry and replay of the same result, so owners de-duplicate on it.
 //!
 //! Form: a compat task (submitted through `in.php` with `pingback`) gets the 2captcha pingback
 //! its handler already parses, `POST` form `id=<id>&code=<answer>`; other tasks get JSON
 //! `{"type": "task.solved", "timestamp": …, "data": <the task view>}`. Both signed.
 
-use std::collections::HashMap;
+pub mod hosts;
+pub mod schedule;
+
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
-use tokio::sync::Semaphore;
+use tokio::sync::mpsc;
 
 use crate::config::{ConfigError, Settings};
-use crate::domain::{Task, TaskState, TaskView};
+use crate::domain::{Task, TaskRef, TaskState, TaskView};
 use crate::store::deliveries::DEFAULT_OWNER;
-use crate::store::{DeliveryFinish, DueDelivery, POLL_SHARDS, StoreError, TaskStore};
-use crate::time::{Clock, Timestamp};
+use crate::store::{DeliveryFinish, DueDelivery, POLL_SHARDS, PushNotifier, StoreError, TaskStore};
+use crate::time::{Busy, Clock, Timestamp};
 use crate::webhook::{AttemptResult, Outgoing, Sender, SigningKeys, UrlPolicy};
+use hosts::{HostGates, Signal};
 
 /// The push's limits and schedule.
 #[derive(Debug, Clone)]
 pub struct DeliverySettings {
     /// One request's time limit (`DELIVERY_TIMEOUT_SECS`, default 10).
     pub timeout: Duration,
-    /// Attempts before a push is parked (`DELIVERY_MAX_ATTEMPTS`, default 7: at once, 5 s,
-    /// 5 min, 30 min, 2 h, 5 h, 10 h).
+    /// Attempts on the standard schedule before a push is parked (`DELIVERY_MAX_ATTEMPTS`,
+    /// default 7: at once, 5 s, 5 min, 30 min, 2 h, 5 h, 10 h). A token's fast retries while it
+    /// lives come before these (see [`schedule`]).
     pub max_attempts: u32,
-    /// Requests in flight to one host (`DELIVERY_PER_HOST_CONCURRENCY`, default 4).
-    pub per_host_concurrency: usize,
-    /// Requests a second to one host (`DELIVERY_PER_HOST_PER_SECOND`, default 10).
+    /// The ceiling on requests in flight to one host, across every worker
+    /// (`DELIVERY_PER_HOST_CONCURRENCY`, default 64); the adaptive limit moves below it.
+    pub per_host_concurrency: u32,
+    /// Requests a second to one host, across every worker (`DELIVERY_PER_HOST_PER_SECOND`,
+    /// default 50: above the most results the relay makes a second at its default submit pace).
     pub per_host_per_second: u32,
     /// Which owner URLs may be used (`DELIVERY_URL_POLICY`: `public_https`, the default and
     /// the only one on AWS, or `allow_loopback`, local mode's explicit setting).
@@ -47,9 +57,9 @@ impl Default for DeliverySettings {
     fn default() -> Self {
         Self {
             timeout: Duration::from_secs(10),
-            max_attempts: crate::webhook::MAX_ATTEMPTS,
-            per_host_concurrency: 4,
-            per_host_per_second: 10,
+            max_attempts: schedule::MAX_ATTEMPTS,
+            per_host_concurrency: 64,
+            per_host_per_second: 50,
             policy: UrlPolicy::PublicHttps,
         }
     }
@@ -84,18 +94,25 @@ impl DeliverySettings {
         if s.max_attempts == 0 || s.max_attempts > 12 {
             return bad("DELIVERY_MAX_ATTEMPTS", "must be 1 to 12");
         }
-        if s.per_host_concurrency == 0 {
-            return bad("DELIVERY_PER_HOST_CONCURRENCY", "must be at least 1");
+        if s.per_host_concurrency == 0 || s.per_host_concurrency > crate::store::hosts::MAX_SLOTS {
+            return bad("DELIVERY_PER_HOST_CONCURRENCY", "must be 1 to 256");
         }
-        if s.per_host_per_second == 0 {
-            return bad("DELIVERY_PER_HOST_PER_SECOND", "must be at least 1");
+        if s.per_host_per_second == 0 || s.per_host_per_second > 10_000 {
+            return bad("DELIVERY_PER_HOST_PER_SECOND", "must be 1 to 10000");
         }
         Ok(s)
     }
 
-    /// How long a claim holds: the request's limit and the store writes around it.
+    /// How long a claim holds: the wait for the host's turn (up to 10 s), the request's limit
+    /// and the store writes around it.
     pub fn lease(&self) -> Duration {
         self.timeout + Duration::from_secs(15)
+    }
+
+    /// The latest a claimed push may start its request: its lease must outlast the request and
+    /// the write of its outcome, or another worker would send it too.
+    fn latest_start(&self, lease_until: Timestamp) -> Timestamp {
+        lease_until.minus(self.timeout + Duration::from_secs(5))
     }
 }
 
@@ -145,35 +162,57 @@ fn poisoned() -> StoreError {
     StoreError::Rejected("webhook key cache lock poisoned".into())
 }
 
-/// Per destination host: requests in flight and a minimum spacing between starts.
-#[derive(Default)]
-struct HostLimits {
-    hosts: Mutex<HashMap<String, Arc<HostSlot>>>,
+/// Where a worker is told to come back to a push at a later moment (a retry, a push given
+/// back): in local mode the worker loop's own inbox, on AWS a delayed message on the retry
+/// queue. Best effort: the sweep is the net.
+#[async_trait::async_trait]
+pub trait Wakeups: Send + Sync {
+    async fn due_at(&self, due: DueDelivery, now: Timestamp);
 }
 
-struct HostSlot {
-    in_flight: Semaphore,
-    /// When the next request may start, on the worker's clock (simulated in the simulations,
-    /// like every other wait). Each request reserves its slot, then waits for it unlocked.
-    next_start: Mutex<Timestamp>,
+/// What a worker loop ([`Deliverer::run`]) is told: a push due now or later. Each carries a
+/// [`Busy`] guard (on a simulated clock, the message is work until the loop takes it).
+pub type InboxRx = mpsc::UnboundedReceiver<(DueDelivery, Busy)>;
+
+/// The sending side of a worker loop's inbox: the store's [`PushNotifier`] (a result just
+/// written) and the worker's own [`Wakeups`] (retries).
+#[derive(Clone)]
+pub struct Inbox {
+    tx: mpsc::UnboundedSender<(DueDelivery, Busy)>,
+    clock: Arc<dyn Clock>,
 }
 
-impl HostLimits {
-    fn slot(&self, host: &str, s: &DeliverySettings) -> Arc<HostSlot> {
-        let mut hosts = self.hosts.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        hosts
-            .entry(host.to_owned())
-            .or_insert_with(|| {
-                Arc::new(HostSlot {
-                    in_flight: Semaphore::new(s.per_host_concurrency),
-                    next_start: Mutex::new(Timestamp::from_millis(0)),
-                })
-            })
-            .clone()
+impl std::fmt::Debug for Inbox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Inbox")
     }
 }
 
-/// What one sweep did.
+impl Inbox {
+    pub fn new(clock: Arc<dyn Clock>) -> (Self, InboxRx) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        (Self { tx, clock }, rx)
+    }
+
+    pub fn send(&self, due: DueDelivery) {
+        let _ = self.tx.send((due, self.clock.busy()));
+    }
+
+    /// For [`TaskStore::with_push_notifier`].
+    pub fn notifier(&self) -> PushNotifier {
+        let me = self.clone();
+        PushNotifier::new(move |due| me.send(due))
+    }
+}
+
+#[async_trait::async_trait]
+impl Wakeups for Inbox {
+    async fn due_at(&self, due: DueDelivery, _now: Timestamp) {
+        self.send(due);
+    }
+}
+
+/// What one sweep (or stream batch, or a stretch of the worker loop) did.
 #[derive(Debug, Default, Clone, PartialEq, Eq, Serialize)]
 pub struct SweepReport {
     pub delivered: u64,
@@ -182,26 +221,40 @@ pub struct SweepReport {
     pub parked: u64,
     pub gone: u64,
     pub refused: u64,
-    /// Claims another worker or a newer result won.
+    /// Claims another worker or a newer result won, and pushes given back for a later turn.
     pub lost: u64,
     pub errors: u64,
+    /// Pushes of a result that was fresh when recorded whose token died before the owner's
+    /// endpoint took it (the first expired notice sent instead). Should be 0.
+    pub token_died: u64,
+    /// Of those, the ones the owner's endpoint then took (an expired notice delivered).
+    pub delivered_after_death: u64,
     /// Seconds since the oldest push still owed fell due (0 when none is owed).
     pub oldest_due_secs: u64,
     /// Milliseconds from the result's record to its delivery, per delivered push.
     #[serde(skip)]
     pub latencies_ms: Vec<u64>,
+    /// Milliseconds of life its token had left when a push carrying one was sent and taken.
+    #[serde(skip)]
+    pub life_left_ms: Vec<u64>,
 }
 
 impl SweepReport {
     /// Counts one push's outcome.
     pub fn add(&mut self, o: &Attempt) {
         match o {
-            Attempt::Delivered { latency_ms } => {
+            Attempt::Delivered { latency_ms, life_left_ms, after_death, token_died } => {
                 self.delivered += 1;
                 self.latencies_ms.push(*latency_ms);
+                self.life_left_ms.extend(life_left_ms);
+                self.delivered_after_death += u64::from(*after_death);
+                self.token_died += u64::from(*token_died);
             }
             Attempt::AlreadyDelivered => self.already_delivered += 1,
-            Attempt::Retried => self.retried += 1,
+            Attempt::Retried { token_died } => {
+                self.retried += 1;
+                self.token_died += u64::from(*token_died);
+            }
             Attempt::Parked { refused } => {
                 self.parked += 1;
                 self.refused += u64::from(*refused);
@@ -209,6 +262,11 @@ impl SweepReport {
             Attempt::Gone => self.gone += 1,
             Attempt::Lost | Attempt::Deferred => self.lost += 1,
         }
+    }
+
+    /// Whether anything was pushed or decided.
+    pub fn did_work(&self) -> bool {
+        self.delivered + self.retried + self.parked + self.gone + self.already_delivered > 0
     }
 
     /// The metrics the template's alarms and dashboard read.
@@ -219,9 +277,14 @@ impl SweepReport {
         metrics::counter!("deliveries_gone").increment(self.gone);
         metrics::counter!("deliveries_refused").increment(self.refused);
         metrics::counter!("delivery_errors").increment(self.errors);
+        metrics::counter!("delivery_token_died").increment(self.token_died);
+        metrics::counter!("deliveries_after_token_death").increment(self.delivered_after_death);
         metrics::gauge!("oldest_delivery_due_seconds").set(self.oldest_due_secs as f64);
         for ms in &self.latencies_ms {
             metrics::histogram!("delivery_latency_ms").record(*ms as f64);
+        }
+        for ms in &self.life_left_ms {
+            metrics::histogram!("delivery_token_life_left_ms").record(*ms as f64);
         }
     }
 }
@@ -230,17 +293,26 @@ impl SweepReport {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Attempt {
     Delivered {
+        /// From the result's record to the owner's 2xx.
         latency_ms: u64,
+        /// The token's life left when it was sent, for a push that carried one.
+        life_left_ms: Option<u64>,
+        /// An expired notice, for a result that was fresh when recorded.
+        after_death: bool,
+        /// The first attempt after its token died (see [`SweepReport::token_died`]).
+        token_died: bool,
     },
     AlreadyDelivered,
-    Retried,
+    Retried {
+        token_died: bool,
+    },
     Parked {
         refused: bool,
     },
     Gone,
     /// Another worker, or a newer result, got there first.
     Lost,
-    /// Its host's turn came too late for the claim: given back, due again at once.
+    /// Its host's turn came too late for the claim: given back, due again a moment later.
     Deferred,
 }
 
@@ -252,7 +324,9 @@ pub struct Deliverer {
     pub settings: DeliverySettings,
     /// Names this worker's leases (unique per process).
     pub worker: String,
-    hosts: HostLimits,
+    /// The per-host gates (their state is logged and measured).
+    pub hosts: HostGates,
+    wakeups: Option<Arc<dyn Wakeups>>,
 }
 
 impl std::fmt::Debug for Deliverer {
@@ -270,95 +344,263 @@ struct Envelope<'a> {
     data: &'a TaskView,
 }
 
+/// A child push of a sweep or the worker loop: its task, what came of it, and its busy guard
+/// handed back (see [`Deliverer::deliver_all`]).
+type Child = (TaskRef, Result<Attempt, StoreError>, Busy);
+
 impl Deliverer {
     pub fn new(store: TaskStore, keys: KeySource, settings: DeliverySettings) -> anyhow::Result<Self> {
         Ok(Self {
-            sender: Sender::new(settings.policy, settings.timeout)?,
+            // The request's time limit is kept on the worker's clock (so a simulation charges
+            // it); the client's own is a backstop behind it.
+            sender: Sender::new(settings.policy, settings.timeout + Duration::from_secs(30))?,
             store,
             keys,
             settings,
             worker: format!("dlv-{}", uuid::Uuid::new_v4().simple()),
-            hosts: HostLimits::default(),
+            hosts: HostGates::default(),
+            wakeups: None,
         })
     }
 
-    /// Works through every push due until none is left or `deadline` is near (a request and its
-    /// writes must fit before it). Due pushes are taken a page per shard at a time and sent
-    /// concurrently, within the per-host limits.
+    /// The same worker, telling `w` when a push it put off falls due.
+    #[must_use]
+    pub fn with_wakeups(mut self, w: Arc<dyn Wakeups>) -> Self {
+        self.wakeups = Some(w);
+        self
+    }
+
+    /// Up to a page per shard of the pushes due at `now`; `true` if a shard had more.
+    async fn due_now(&self, now: Timestamp, report: &mut SweepReport) -> (Vec<DueDelivery>, bool) {
+        let mut batch = Vec::new();
+        let mut more = false;
+        let pages = (0..POLL_SHARDS).map(|shard| self.store.due_deliveries(shard, now, 100, None));
+        for page in futures_util::future::join_all(pages).await {
+            match page {
+                Ok((due, next)) => {
+                    more |= next.is_some();
+                    batch.extend(due);
+                }
+                Err(e) => {
+                    report.errors += 1;
+                    tracing::error!(event = "delivery_query_failed", error = %e);
+                }
+            }
+        }
+        (batch, more)
+    }
+
+    /// The scheduled sweep: works through every push due, then — while its invocation has
+    /// time — waits for the next one to fall due (a retry, a lapsing claim of a worker that
+    /// died) and takes that too, looking again at least every 10 s; it ends at once when
+    /// nothing will fall due before `deadline` (a request and its writes must fit before it).
     pub async fn sweep(self: &Arc<Self>, clock: Arc<dyn Clock>, deadline: Timestamp) -> SweepReport {
+        let busy = clock.busy();
+        self.sweep_held(clock, deadline, busy).await.0
+    }
+
+    /// [`Self::sweep`] for a caller that holds a busy guard on a simulated clock: it is given
+    /// and handed back.
+    pub async fn sweep_held(
+        self: &Arc<Self>,
+        clock: Arc<dyn Clock>,
+        deadline: Timestamp,
+        mut busy: Busy,
+    ) -> (SweepReport, Busy) {
         let mut report = SweepReport::default();
         let margin = self.settings.lease();
         loop {
-            let now = clock.now();
-            if now.plus(margin) > deadline {
-                break;
-            }
-            let mut batch = Vec::new();
-            let pages = (0..POLL_SHARDS).map(|shard| self.store.due_deliveries(shard, now, 100, None));
-            for page in futures_util::future::join_all(pages).await {
-                match page {
-                    Ok((due, _)) => batch.extend(due),
-                    Err(e) => {
-                        report.errors += 1;
-                        tracing::error!(event = "delivery_query_failed", error = %e);
-                    }
+            loop {
+                let now = clock.now();
+                if now.plus(margin) > deadline {
+                    break;
+                }
+                let (batch, _) = self.due_now(now, &mut report).await;
+                if batch.is_empty() {
+                    break;
+                }
+                let n = batch.len();
+                let (_, b) = self.deliver_all(batch, &clock, &mut report, busy).await;
+                busy = b;
+                if report.errors > 0 && !report.did_work() {
+                    // Only failures: the store is in trouble; the next sweep tries again.
+                    break;
                 }
             }
-            if batch.is_empty() {
-                break;
-            }
-            self.deliver_all(batch, &clock, &mut report).await;
-            if report.errors > 0 && report.delivered + report.retried + report.parked + report.gone == 0 {
-                // Only failures: the store is in trouble; the next sweep tries again.
-                break;
+            let now = clock.now();
+            let oldest = match self.store.oldest_delivery_due().await {
+                Ok(t) => t,
+                Err(e) => {
+                    report.errors += 1;
+                    tracing::error!(event = "delivery_query_failed", error = %e);
+                    None
+                }
+            };
+            report.oldest_due_secs = oldest.map_or(0, |t| now.since(t).as_secs());
+            match oldest {
+                Some(t) if t.max(now).plus(margin) <= deadline && report.errors == 0 => {
+                    let at = t.max(now.plus(Duration::from_millis(200))).min(now.plus(Duration::from_secs(10)));
+                    clock.sleep_until(at).await;
+                }
+                _ => break,
             }
         }
-        report.oldest_due_secs = match self.store.oldest_delivery_due().await {
-            Ok(Some(t)) => clock.now().since(t).as_secs(),
-            Ok(None) => 0,
-            Err(e) => {
-                report.errors += 1;
-                tracing::error!(event = "delivery_query_failed", error = %e);
-                0
-            }
-        };
-        report
+        self.log_hosts(clock.now());
+        (report, busy)
     }
 
     /// Delivers `due` concurrently (within the per-host limits), counting each outcome into
-    /// `report`. Returns the last store failure or panic, if any: those pushes stay due.
+    /// `report`. Returns the last store failure or panic, if any (those pushes stay due), and
+    /// the busy guard: `busy` is given up while the pushes run (each holds its own) and the
+    /// last one to finish hands back its own, so on a simulated clock time never moves between
+    /// a push's end and the caller's next step.
     pub async fn deliver_all(
         self: &Arc<Self>,
         due: Vec<DueDelivery>,
         clock: &Arc<dyn Clock>,
         report: &mut SweepReport,
-    ) -> Option<String> {
+        busy: Busy,
+    ) -> (Option<String>, Busy) {
+        if due.is_empty() {
+            return (None, busy);
+        }
         let mut work = tokio::task::JoinSet::new();
         for d in due {
-            let (me, clock) = (self.clone(), clock.clone());
-            // No busy mark of their own: a push waiting for its host's next slot sleeps on the
-            // clock, and a simulated clock must be free to move then (the caller's mark keeps it
-            // still while requests are in flight).
-            work.spawn(async move { me.deliver(&d, clock.as_ref()).await });
+            self.spawn_push(&mut work, d, clock);
         }
+        // The pushes hold their own guards now; this one would keep a simulated clock still
+        // while they wait on it.
+        drop(busy);
+        let mut held = None;
         let mut failed = None;
         while let Some(done) = work.join_next().await {
             let e = match done {
-                Ok(Ok(a)) => {
-                    report.add(&a);
-                    continue;
+                Ok((_, res, b)) => {
+                    held = Some(b);
+                    match res {
+                        Ok(a) => {
+                            report.add(&a);
+                            continue;
+                        }
+                        Err(e) => e.to_string(),
+                    }
                 }
-                Ok(Err(e)) => e.to_string(),
                 Err(e) => format!("a push panicked: {e}"),
             };
             report.errors += 1;
             tracing::error!(event = "delivery_failed", error = %e);
             failed = Some(e);
         }
-        failed
+        (failed, held.unwrap_or_else(|| clock.busy()))
     }
 
-    /// Claims one due push, sends it, and records the outcome.
+    fn spawn_push(self: &Arc<Self>, work: &mut tokio::task::JoinSet<Child>, d: DueDelivery, clock: &Arc<dyn Clock>) {
+        let (me, clock) = (self.clone(), clock.clone());
+        let busy = clock.busy();
+        work.spawn(async move {
+            let res = me.deliver(&d, clock.as_ref()).await;
+            (d.task_ref, res, busy)
+        });
+    }
+
+    /// The worker loop of local mode (and the simulations): pushes told of by `inbox` — a
+    /// result the store just wrote, a retry falling due — at once or when they fall due, and a
+    /// catch-up pass over the due-for-delivery index every `catch_up` (and when the earliest
+    /// claim there lapses: a worker that died), until `stop`.
+    pub async fn run(
+        self: Arc<Self>,
+        clock: Arc<dyn Clock>,
+        mut inbox: InboxRx,
+        catch_up: Duration,
+        mut stop: tokio::sync::watch::Receiver<bool>,
+    ) -> SweepReport {
+        let mut busy = clock.busy();
+        let mut report = SweepReport::default();
+        let mut timers: BTreeSet<(Timestamp, TaskRef)> = BTreeSet::new();
+        let mut running: HashSet<TaskRef> = HashSet::new();
+        let mut work: tokio::task::JoinSet<Child> = tokio::task::JoinSet::new();
+        let mut next_pass = clock.now();
+        let mut last_log = Instant::now();
+        loop {
+            let now = clock.now();
+            if now >= next_pass {
+                let (batch, more) = self.due_now(now, &mut report).await;
+                for d in batch {
+                    if running.insert(d.task_ref.clone()) {
+                        self.spawn_push(&mut work, d, &clock);
+                    }
+                }
+                let now = clock.now();
+                next_pass = match self.store.oldest_delivery_due().await {
+                    _ if more => now.plus(Duration::from_millis(100)),
+                    Ok(Some(t)) if t > now => t.min(now.plus(catch_up)),
+                    _ => now.plus(catch_up),
+                };
+            }
+            while let Some((at, _)) = timers.first()
+                && *at <= now
+            {
+                let Some((at, task_ref)) = timers.pop_first() else { break };
+                if running.insert(task_ref.clone()) {
+                    self.spawn_push(&mut work, DueDelivery { task_ref, due_at: at }, &clock);
+                }
+            }
+            if last_log.elapsed() >= Duration::from_secs(60) {
+                last_log = Instant::now();
+                self.log_hosts(now);
+            }
+            let wake_at = timers.first().map_or(next_pass, |(t, _)| (*t).min(next_pass));
+            tokio::select! {
+                biased;
+                _ = stop.wait_for(|s| *s) => break,
+                Some(done) = work.join_next(), if !work.is_empty() => match done {
+                    Ok((task_ref, res, b)) => {
+                        running.remove(&task_ref);
+                        busy = b;
+                        match res {
+                            Ok(a) => report.add(&a),
+                            Err(e) => {
+                                report.errors += 1;
+                                tracing::error!(event = "delivery_failed", task_ref = %task_ref, error = %e);
+                            }
+                        }
+                    }
+                    Err(e) => {
+                        // Its claim lapses with its lease and the catch-up pass takes it again.
+                        report.errors += 1;
+                        tracing::error!(event = "delivery_failed", error = %format!("a push panicked: {e}"));
+                    }
+                },
+                m = inbox.recv() => match m {
+                    Some((due, _b)) => {
+                        if due.due_at <= clock.now() {
+                            if running.insert(due.task_ref.clone()) {
+                                self.spawn_push(&mut work, due, &clock);
+                            } else {
+                                // Pushed again while its attempt runs (a replay): look once it ends.
+                                timers.insert((clock.now().plus(Duration::from_secs(1)), due.task_ref));
+                            }
+                        } else {
+                            timers.insert((due.due_at, due.task_ref));
+                        }
+                    }
+                    None => break,
+                },
+                () = clock.sleep_until(wake_at) => {}
+            }
+        }
+        drop(busy);
+        report
+    }
+
+    fn log_hosts(&self, now: Timestamp) {
+        for h in self.hosts.states(now, &self.settings) {
+            metrics::histogram!("delivery_host_limit").record(f64::from(h.limit));
+            tracing::info!(event = "delivery_host_state", host = %h.host, limit = h.limit, ceiling = h.ceiling, in_flight = h.in_flight, waiting = h.waiting);
+        }
+    }
+
+    /// Claims one due push, waits for its host's turn, sends it, and records the outcome.
     pub async fn deliver(&self, due: &DueDelivery, clock: &dyn Clock) -> Result<Attempt, StoreError> {
         let now = clock.now();
         let lease_until = now.plus(self.settings.lease());
@@ -374,9 +616,20 @@ impl Deliverer {
             finish(DeliveryFinish::Parked { outcome: "the task has no result to push".into() }).await?;
             return Ok(Attempt::Parked { refused: false });
         };
-        if task.delivery.as_ref().and_then(|d| d.delivered_id.as_deref()) == Some(id.as_str()) {
+        let state = task.delivery.clone().unwrap_or_default();
+        if state.delivered_id.as_deref() == Some(id.as_str()) {
             return Ok(if finish(DeliveryFinish::AlreadyDelivered { id }).await? {
                 Attempt::AlreadyDelivered
+            } else {
+                Attempt::Lost
+            });
+        }
+        // Claims that ended without an outcome (the worker died each time).
+        let lost = state.attempts.saturating_sub(1 + state.failures.total());
+        if lost >= schedule::LOST_ATTEMPTS_LIMIT {
+            let outcome = format!("{lost} attempts were lost without an outcome (the worker stopped during each)");
+            return Ok(if finish(DeliveryFinish::Parked { outcome }).await? {
+                Attempt::Parked { refused: false }
             } else {
                 Attempt::Lost
             });
@@ -392,58 +645,76 @@ impl Deliverer {
         }
         let owner = task.webhook_owner.clone().unwrap_or_else(|| DEFAULT_OWNER.to_owned());
         let keys = self.keys.keys(&owner).await?;
-        let host = url::Url::parse(&url).ok().and_then(|u| u.host_str().map(str::to_owned)).unwrap_or_default();
-        let slot = self.hosts.slot(&host, &self.settings);
-        // The request must be over before the claim lapses (or another worker sends it too): a
-        // push whose turn at its host comes later than that is given back, due at its turn, its
-        // attempt uncounted.
-        let latest_start = lease_until.minus(self.settings.timeout + Duration::from_secs(5));
-        let defer = |at: Timestamp| async move {
-            let f = DeliveryFinish::Deferred { at };
-            Ok(if finish(f).await? { Attempt::Deferred } else { Attempt::Lost })
+        let host = url::Url::parse(&url)
+            .ok()
+            .and_then(|u| u.host_str().map(|h| format!("{h}:{}", u.port_or_known_default().unwrap_or(0))))
+            .unwrap_or_default();
+        let dies = task.token_dies_at();
+        let recorded = resolved_at(&task).unwrap_or(now);
+        let fresh_at_record = dies.is_some_and(|d| recorded < d);
+        // Its place in the host's queue: when what it carries dies.
+        let rank = match dies {
+            Some(d) if now < d => d,
+            _ => due.due_at.plus(hosts::NO_DEADLINE_SLACK),
         };
+        let latest_start = self.settings.latest_start(lease_until);
+        let gate = self.hosts.gate(&host);
+        let Some(permit) = gate.acquire(&self.store, rank, latest_start, clock, &self.settings).await else {
+            // No turn in time for this claim: given back, its attempt uncounted, due a moment
+            // later.
+            let at = clock.now().plus(Duration::from_secs(1));
+            if !finish(DeliveryFinish::Deferred { at }).await? {
+                return Ok(Attempt::Lost);
+            }
+            self.wake(&due.task_ref, at, clock.now()).await;
+            return Ok(Attempt::Deferred);
+        };
+        if permit.not_before > clock.now() {
+            clock.sleep_until(permit.not_before).await;
+        }
+        let sent_at = clock.now();
+        // Built as it leaves: a token that died while it waited for its turn is not in it.
+        let (content_type, body) = payload(&task, sent_at);
+        let out = Outgoing { url: &url, msg_id: &id, timestamp: sent_at.as_secs(), content_type, body, keys: &keys };
         let result = {
-            let start = {
-                let mut next = slot.next_start.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-                let start = (*next).max(clock.now());
-                if start > latest_start {
-                    None
-                } else {
-                    *next = start.plus(Duration::from_secs(1) / self.settings.per_host_per_second);
-                    Some(start)
+            let _io = clock.io();
+            tokio::select! {
+                r = self.sender.send(&out) => r,
+                () = clock.sleep_until(sent_at.plus(self.settings.timeout)) => {
+                    AttemptResult::Retry { status: None, error: "timed out".into(), retry_after: None }
                 }
-            };
-            let Some(start) = start else { return defer(clock.now().plus(Duration::from_secs(1))).await };
-            if start > clock.now() {
-                clock.sleep_until(start).await;
             }
-            let _permit = slot.in_flight.acquire().await.map_err(|_| poisoned())?;
-            if clock.now() > latest_start {
-                return defer(clock.now()).await;
-            }
-            let sent_at = clock.now();
-            // Built as it leaves: a token that went stale while it waited for its turn is not in it.
-            let (content_type, body) = payload(&task, sent_at);
-            let out =
-                Outgoing { url: &url, msg_id: &id, timestamp: sent_at.as_secs(), content_type, body, keys: &keys };
-            self.sender.send(&out).await
         };
-        let attempts = task.delivery.as_ref().map_or(1, |d| d.attempts);
+        gate.release(permit, &self.store, signal_of(&result), clock, &self.settings).await;
         let now = clock.now();
+        let attempts = state.attempts;
+        let after_death = fresh_at_record && dies.is_some_and(|d| sent_at >= d);
+        let token_died = after_death && state.failures.standard == 0;
+        if token_died {
+            tracing::warn!(event = "delivery_token_died", task_ref = %task.task_ref, recorded = %recorded, attempts);
+        }
+        let mut wake_at = None;
         let (f, attempt) = match result {
             AttemptResult::Delivered { status } => {
-                let recorded = resolved_at(&task).unwrap_or(now);
                 let latency_ms = now.as_millis().saturating_sub(recorded.as_millis());
-                (DeliveryFinish::Delivered { id, outcome: format!("HTTP {status}") }, Attempt::Delivered { latency_ms })
+                let life_left_ms = dies.filter(|d| sent_at < *d).map(|d| d.since(sent_at).as_millis() as u64);
+                (
+                    DeliveryFinish::Delivered { id, outcome: format!("HTTP {status}") },
+                    Attempt::Delivered { latency_ms, life_left_ms, after_death, token_died },
+                )
             }
             AttemptResult::Retry { status, error, retry_after } => {
                 let outcome = match status {
                     Some(s) => format!("HTTP {s}: {error}"),
                     None => error,
                 };
-                match crate::webhook::next_delay(attempts, self.settings.max_attempts, retry_after, jitter()) {
-                    Some(d) => (DeliveryFinish::Retry { at: now.plus(d), outcome }, Attempt::Retried),
-                    None => (
+                let failed = schedule::Failed { sent_at, ended_at: now, retry_after };
+                match schedule::after_failure(dies, &failed, state.failures, self.settings.max_attempts, jitter()) {
+                    schedule::Next::Retry { at, failures, .. } => {
+                        wake_at = Some(at);
+                        (DeliveryFinish::Retry { at, outcome, failures }, Attempt::Retried { token_died })
+                    }
+                    schedule::Next::Park => (
                         DeliveryFinish::Parked { outcome: format!("{attempts} attempts failed, the last: {outcome}") },
                         Attempt::Parked { refused: false },
                     ),
@@ -456,7 +727,31 @@ impl Deliverer {
             }
         };
         tracing::info!(event = "delivery_attempt", task_ref = %task.task_ref, webhook_id = %webhook_id_of(&f), attempts, outcome = ?attempt);
-        Ok(if finish(f).await? { attempt } else { Attempt::Lost })
+        if !finish(f).await? {
+            return Ok(Attempt::Lost);
+        }
+        if let Some(at) = wake_at {
+            self.wake(&due.task_ref, at, now).await;
+        }
+        Ok(attempt)
+    }
+
+    async fn wake(&self, task_ref: &TaskRef, at: Timestamp, now: Timestamp) {
+        if let Some(w) = &self.wakeups {
+            w.due_at(DueDelivery { task_ref: task_ref.clone(), due_at: at }, now).await;
+        }
+    }
+}
+
+/// What an attempt's answer says about the host's load (see [`hosts`]).
+fn signal_of(r: &AttemptResult) -> Signal {
+    match r {
+        AttemptResult::Delivered { .. } | AttemptResult::Gone => Signal::Ok,
+        AttemptResult::Retry { status: Some(429 | 503), .. } => Signal::Overloaded,
+        AttemptResult::Retry { status: None, error, .. } if error.starts_with("connection failed") => {
+            Signal::Overloaded
+        }
+        _ => Signal::Neutral,
     }
 }
 

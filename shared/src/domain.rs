@@ -451,6 +451,9 @@ pub struct DeliveryState {
     /// The `webhook-id` last delivered: the same result is never pushed under another id.
     pub delivered_id: Option<String>,
     pub parked_at: Option<Timestamp>,
+    /// Failed attempts recorded for the current result, per schedule: what the next wait
+    /// follows (a lost attempt is not one).
+    pub failures: crate::delivery::schedule::Failures,
 }
 
 /// The push's status.
@@ -676,6 +679,19 @@ impl Task {
         }
     }
 
+    /// When the token a push of this result carries dies: the solution's lifetime end, or a
+    /// late solution's. `None` for a result without one (an image's text, an error, an expiry).
+    pub fn token_dies_at(&self) -> Option<Timestamp> {
+        match &self.state {
+            TaskState::Solved { .. } => self.solution_expires_at(),
+            TaskState::Expired { late: Some(l), .. } => match l.outcome {
+                Outcome::Solved(_) => self.kind.token_lifetime().map(|life| l.token_clock_start.plus(life)),
+                Outcome::Failed(_) => None,
+            },
+            _ => None,
+        }
+    }
+
     /// The 2captcha answer for this task at `now`, as `res.php?action=get` gives it and a
     /// 2captcha pingback carries it as `code`: `(true, token)` while the token is fresh,
     /// otherwise `(false, code)` — `CAPCHA_NOT_READY`, `ERROR_TOKEN_EXPIRED` (a token past its
@@ -760,6 +776,7 @@ impl Task {
                 attempts: d.attempts,
                 webhook_id: d.delivered_id.clone(),
                 next_attempt_at: d.next_attempt_at.map(Timestamp::to_rfc3339),
+                schedule: d.next_attempt_at.map(|at| crate::delivery::schedule::Phase::at(self.token_dies_at(), at).as_str()),
                 last_attempt_at: d.last_attempt_at.map(Timestamp::to_rfc3339),
                 last_outcome: d.last_outcome.clone(),
                 delivered_at: d.delivered_at.map(Timestamp::to_rfc3339),
@@ -892,6 +909,10 @@ pub struct DeliveryView {
     pub webhook_id: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub next_attempt_at: Option<String>,
+    /// The schedule the next attempt is on: `token` (it carries a live token: fast retries
+    /// until just before it dies) or `standard` (see `crate::delivery::schedule`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub schedule: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub last_attempt_at: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]

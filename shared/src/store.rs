@@ -30,8 +30,10 @@ pub const DUE_INDEX: &str = "due-for-poll";
 pub const POLL_SHARDS: u8 = 4;
 
 pub mod deliveries;
+pub mod hosts;
 pub mod relay_keys;
 pub use deliveries::{DELIVERY_INDEX, DeliveryFinish, DueDelivery};
+pub use hosts::{HostRecord, SlotWrite};
 pub use relay_keys::{KeyCheck, KeyInfo, RelayKeys};
 
 mod attr {
@@ -72,12 +74,16 @@ mod attr {
     pub const DLV_DONE_ID: &str = "dlv_done_id";
     pub const DLV_DONE_AT: &str = "dlv_done_at";
     pub const DLV_PARKED_AT: &str = "dlv_parked_at";
+    /// Failed attempts recorded, per schedule (see `crate::delivery::schedule`).
+    pub const DLV_TOKEN_FAILS: &str = "dlv_tfails";
+    pub const DLV_STANDARD_FAILS: &str = "dlv_sfails";
 }
 
 /// What every terminal write adds: the push of the result becomes due, in the same write (the
 /// transactional outbox). Only items with `dlv_shard` (those with an owner callback) appear in
 /// the due-for-delivery index; on the rest these attributes are inert.
-const DELIVERY_DUE: &str = "dlv_due = :dnow, dlv_status = :dpending, dlv_attempts = :dzero";
+const DELIVERY_DUE: &str =
+    "dlv_due = :dnow, dlv_status = :dpending, dlv_attempts = :dzero, dlv_tfails = :dzero, dlv_sfails = :dzero";
 /// ... and what it clears: a parked push of an earlier result, a lease on it.
 const DELIVERY_CLEAR: &str = "dlv_parked_at, dlv_lease";
 
@@ -407,17 +413,53 @@ fn late_result(item: &Item) -> Result<Option<crate::domain::LateResult>, StoreEr
     }))
 }
 
+/// Told of every push a write of this store made due, right after the write: how a delivery
+/// worker in the same process (local mode) hears of a result at once, as the table's stream
+/// tells the delivery function on AWS.
+#[derive(Clone)]
+pub struct PushNotifier(std::sync::Arc<dyn Fn(DueDelivery) + Send + Sync>);
+
+impl PushNotifier {
+    pub fn new(f: impl Fn(DueDelivery) + Send + Sync + 'static) -> Self {
+        Self(std::sync::Arc::new(f))
+    }
+}
+
+impl std::fmt::Debug for PushNotifier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PushNotifier")
+    }
+}
+
 /// The DynamoDB task store. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct TaskStore {
     client: Client,
     table: String,
     retention: Duration,
+    pushes: Option<PushNotifier>,
 }
 
 impl TaskStore {
     pub fn new(client: Client, table: impl Into<String>, retention: Duration) -> Self {
-        Self { client, table: table.into(), retention }
+        Self { client, table: table.into(), retention, pushes: None }
+    }
+
+    /// The same store, telling `n` of every push its writes make due.
+    #[must_use]
+    pub fn with_push_notifier(mut self, n: PushNotifier) -> Self {
+        self.pushes = Some(n);
+        self
+    }
+
+    /// Tells the notifier, if any, that `task`'s push fell due at `at` (only for a task with
+    /// an owner callback: the others have no push).
+    fn push_due(&self, task: &Task, at: Timestamp) {
+        if let Some(n) = &self.pushes
+            && task.owner_callback.is_some()
+        {
+            (n.0)(DueDelivery { task_ref: task.task_ref.clone(), due_at: at });
+        }
     }
 
     /// A store built from the cold-start AWS configuration. Every call is bounded in time
@@ -708,7 +750,11 @@ impl TaskStore {
         out: aws_sdk_dynamodb::operation::update_item::UpdateItemOutput,
         d: &Delivery,
     ) -> Result<RecordOutcome, StoreError> {
-        match decode(out.attributes.as_ref())?.apply(d.clone()) {
+        let applied = decode(out.attributes.as_ref())?.apply(d.clone());
+        if let Ok(Applied::Recorded(task) | Applied::Replaced(task) | Applied::Earlier(task)) = &applied {
+            self.push_due(task, d.received_at);
+        }
+        match applied {
             Ok(Applied::Recorded(task)) => Ok(RecordOutcome::Recorded(task)),
             Ok(Applied::Replaced(task)) => Ok(RecordOutcome::Replaced(task)),
             Ok(Applied::Earlier(task)) => Ok(RecordOutcome::Duplicate(task)),
@@ -798,7 +844,10 @@ impl TaskStore {
             .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld);
         let res = delivery_due(res, d.received_at).send().await;
         match res {
-            Ok(_) => Ok(RecordOutcome::Late(task)),
+            Ok(_) => {
+                self.push_due(&task, d.received_at);
+                Ok(RecordOutcome::Late(task))
+            }
             // Another late result won the race: classify against it.
             Err(e) => match refused_item(&e) {
                 Some(Some(old)) => {
@@ -969,9 +1018,22 @@ impl TaskStore {
             .expression_attribute_values(":via", s(Via::Deadline.as_str()))
             .expression_attribute_values(":ttl", self.ttl(now))
             .expression_attribute_values(":submitting", s("submitting"))
-            .expression_attribute_values(":pending", s("pending"));
-        let res = delivery_due(res, now).send().await;
-        condition_held(res)
+            .expression_attribute_values(":pending", s("pending"))
+            .return_values(ReturnValue::AllOld);
+        match delivery_due(res, now).send().await {
+            Ok(out) => {
+                if self.pushes.is_some()
+                    && let Some(old) = out.attributes.as_ref()
+                    && old.contains_key(attr::OWNER_CALLBACK)
+                    && let Ok(task) = Task::try_from(old)
+                {
+                    self.push_due(&task, now);
+                }
+                Ok(true)
+            }
+            Err(e) if refused_item(&e).is_some() => Ok(false),
+            Err(e) => Err(sdk_error(e)),
+        }
     }
 
     /// The earliest `poll_due_at` after `now` across the index's shards: when the poller will

@@ -650,44 +650,6 @@ fn failed(err: &reqwest::Error) -> AttemptResult {
     AttemptResult::Retry { status: None, error, retry_after: None }
 }
 
-/// The most attempts a message gets before it is parked.
-pub const MAX_ATTEMPTS: u32 = 7;
-
-/// The retry schedule (Svix-like): attempt 1 at once, then after 5 s, 5 min, 30 min, 2 h, 5 h,
-/// 10 h. `[0]` is the first attempt's delay.
-pub const RETRY_SCHEDULE: [Duration; 7] = [
-    Duration::ZERO,
-    Duration::from_secs(5),
-    Duration::from_secs(5 * 60),
-    Duration::from_secs(30 * 60),
-    Duration::from_secs(2 * 60 * 60),
-    Duration::from_secs(5 * 60 * 60),
-    Duration::from_secs(10 * 60 * 60),
-];
-
-/// The delay before attempt `attempts_done + 1` after `attempts_done` failed attempts, or None
-/// when `attempts_done >= max_attempts` (park it). The schedule's delay (its last entry past its
-/// end) gets ±20 % jitter from `jitter` in [0, 1) (0.5 = none); a `Retry-After` longer than that
-/// wins (never earlier than the owner asked), capped at 24 h.
-pub fn next_delay(
-    attempts_done: u32,
-    max_attempts: u32,
-    retry_after: Option<Duration>,
-    jitter: f64,
-) -> Option<Duration> {
-    if attempts_done >= max_attempts {
-        return None;
-    }
-    let base = RETRY_SCHEDULE[(attempts_done as usize).min(RETRY_SCHEDULE.len() - 1)];
-    let jitter = if jitter.is_finite() { jitter.clamp(0.0, 1.0) } else { 0.5 };
-    let delay = base.mul_f64(0.8 + 0.4 * jitter);
-    let delay = match retry_after {
-        Some(asked) => delay.max(asked.min(MAX_RETRY_AFTER)),
-        None => delay,
-    };
-    Some(delay.min(MAX_RETRY_AFTER))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -948,34 +910,6 @@ mod tests {
         for bad in ["", "-5", "1.5", "soon", "Thu, 99 Foo 2023"] {
             assert_eq!(parse_retry_after(bad, now), None, "{bad:?}");
         }
-    }
-
-    #[test]
-    fn next_delay_follows_the_schedule_with_jitter_and_retry_after() {
-        let s = |secs: u64| Duration::from_secs(secs);
-        let plain: Vec<Option<Duration>> = (0..=7).map(|n| next_delay(n, MAX_ATTEMPTS, None, 0.5)).collect();
-        assert_eq!(
-            plain,
-            [Some(s(0)), Some(s(5)), Some(s(300)), Some(s(1800)), Some(s(7200)), Some(s(18000)), Some(s(36000)), None]
-        );
-        assert_eq!(next_delay(100, MAX_ATTEMPTS, None, 0.5), None);
-        assert_eq!(next_delay(3, 3, None, 0.5), None, "a smaller maximum parks earlier");
-        assert_eq!(next_delay(8, 10, None, 0.5), Some(s(36000)), "past the schedule: its last step");
-        // Jitter: ±20 %, monotonic in the jitter value, out-of-range values clamped.
-        assert_eq!(next_delay(2, MAX_ATTEMPTS, None, 0.0), Some(s(240)));
-        let top = next_delay(2, MAX_ATTEMPTS, None, 0.999_999).expect("some");
-        assert!(top > s(359) && top <= s(360), "{top:?}");
-        for i in 0..100 {
-            let d = next_delay(4, MAX_ATTEMPTS, None, f64::from(i) / 100.0).expect("some");
-            assert!(d >= s(5760) && d < s(8640), "{d:?}");
-        }
-        assert_eq!(next_delay(1, MAX_ATTEMPTS, None, 7.0), Some(s(6)));
-        assert_eq!(next_delay(1, MAX_ATTEMPTS, None, f64::NAN), Some(s(5)));
-        // Retry-After: wins when longer, not when shorter, capped at a day.
-        assert_eq!(next_delay(1, MAX_ATTEMPTS, Some(s(120)), 0.5), Some(s(120)));
-        assert_eq!(next_delay(3, MAX_ATTEMPTS, Some(s(120)), 0.5), Some(s(1800)));
-        assert_eq!(next_delay(1, MAX_ATTEMPTS, Some(s(10 * 86400)), 0.5), Some(MAX_RETRY_AFTER));
-        assert_eq!(next_delay(7, MAX_ATTEMPTS, Some(s(120)), 0.5), None);
     }
 
     // ---- The sender against real loopback HTTP servers (hand-written, so every connection is

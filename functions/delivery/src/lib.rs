@@ -1,24 +1,58 @@
 //! The delivery function: pushes each result to its owner's callback (see
 //! [`relay_shared::delivery`]).
 //!
-//! Two triggers, one worker:
+//! Three triggers, one worker:
 //! - **the table's stream**: a record whose new image has a due push (`dlv_shard` and `dlv_due`,
 //!   the template's filter) is delivered at once — the terminal write itself is what triggers
 //!   it. A batch fails only when the store does; Lambda retries it, then sends it to the
 //!   failures queue. Nothing is lost either way: the push stays in the `due-for-delivery` index
 //!   until an attempt is recorded.
-//! - **a schedule, every minute**: sweeps the index for retries that fell due, pushes whose
-//!   stream record failed, and claims whose worker died.
+//! - **the retry queue** (`DELIVERY_RETRY_QUEUE_URL`): a push the worker put off — a retry on
+//!   a token's fast schedule (1 s, 2 s, 4 s …), a push whose host had no turn for it — comes
+//!   back as a message delayed until it falls due (up to SQS's 15 minutes), so a retry while a
+//!   token lives is on time instead of waiting for the next sweep.
+//! - **a schedule, every minute**: sweeps the index for retries further out, pushes whose
+//!   stream record or retry message failed, and claims whose worker died; it works through its
+//!   minute while pushes fall due in it.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use lambda_runtime::LambdaEvent;
-use relay_shared::delivery::{Deliverer, DeliverySettings, KeySource, SweepReport};
+use relay_shared::deadletter::SqsQueue;
+use relay_shared::delivery::{Deliverer, DeliverySettings, KeySource, SweepReport, Wakeups};
 use relay_shared::domain::TaskRef;
 use relay_shared::store::{DueDelivery, TaskStore};
 use relay_shared::time::{Clock, Timestamp};
 use secrecy::ExposeSecret;
+
+/// SQS delays a message by at most this long; a push due later is left to the sweep.
+pub const MAX_DELAY: Duration = Duration::from_secs(900);
+
+/// The retry queue: a push due later is a message delayed until then.
+pub struct RetryQueue(pub SqsQueue);
+
+#[async_trait::async_trait]
+impl Wakeups for RetryQueue {
+    async fn due_at(&self, due: DueDelivery, now: Timestamp) {
+        let wait = due.due_at.since(now);
+        if wait > MAX_DELAY {
+            return;
+        }
+        // Whole seconds, rounded up: the message never arrives before the push is due.
+        let secs = u32::try_from(wait.as_millis().div_ceil(1000)).unwrap_or(900);
+        let body = retry_body(&due);
+        if let Err(e) = self.0.send_delayed(&body, secs).await {
+            // The sweep takes it when it falls due.
+            tracing::warn!(event = "retry_message_failed", task_ref = %due.task_ref, error = %e);
+        }
+    }
+}
+
+/// The body of a retry message.
+pub fn retry_body(due: &DueDelivery) -> String {
+    serde_json::json!({ "task_ref": due.task_ref.as_ref(), "due_at_ms": due.due_at.as_millis() }).to_string()
+}
 
 /// Reads the configuration and the webhook secrets (once, at cold start).
 pub async fn from_env() -> anyhow::Result<Deliverer> {
@@ -28,13 +62,18 @@ pub async fn from_env() -> anyhow::Result<Deliverer> {
     let store_cfg = StoreConfig::from_settings(&env)?;
     let settings = DeliverySettings::from_settings(&env)?;
     let source = env.secret("WEBHOOK_SECRETS")?;
+    let retry_queue = env.optional("DELIVERY_RETRY_QUEUE_URL").filter(|u| !u.trim().is_empty());
     let aws = relay_shared::aws_config().await;
     let secrets =
         relay_shared::secrets::SecretLoader::new(&aws).load(&source).await.context("loading the webhook secrets")?;
     let keys = relay_shared::webhook::SigningKeys::parse_list(secrets.expose_secret())
         .context("WEBHOOK_SECRETS: expected whsec_… or whsec_new,whsec_old")?;
     let store = TaskStore::from_config(&aws, &store_cfg);
-    Deliverer::new(store.clone(), KeySource::new(keys, Some(store)), settings)
+    let mut deliverer = Deliverer::new(store.clone(), KeySource::new(keys, Some(store)), settings)?;
+    if let Some(url) = retry_queue {
+        deliverer = deliverer.with_wakeups(Arc::new(RetryQueue(SqsQueue::new(aws_sdk_sqs::Client::new(&aws), url))));
+    }
+    Ok(deliverer)
 }
 
 /// The pushes a stream batch makes due: each record's task and the `dlv_due` it carries.
@@ -53,7 +92,25 @@ pub fn due_in_stream(event: &serde_json::Value) -> Vec<DueDelivery> {
         .collect()
 }
 
-/// One invocation: a stream batch, or (any other event) the scheduled sweep.
+/// The pushes a retry-queue batch brings back. Unreadable bodies are skipped (the sweep is the
+/// net).
+pub fn due_in_retry_messages(event: &serde_json::Value) -> Vec<DueDelivery> {
+    let Some(records) = event.get("Records").and_then(|r| r.as_array()) else { return Vec::new() };
+    records
+        .iter()
+        .filter_map(|r| {
+            let body: serde_json::Value = serde_json::from_str(r.get("body")?.as_str()?).ok()?;
+            let task_ref = TaskRef::parse(body.get("task_ref")?.as_str()?).ok()?;
+            Some(DueDelivery { task_ref, due_at: Timestamp::from_millis(body.get("due_at_ms")?.as_u64()?) })
+        })
+        .collect()
+}
+
+fn is_sqs(event: &serde_json::Value) -> bool {
+    event.pointer("/Records/0/eventSource").and_then(|s| s.as_str()) == Some("aws:sqs")
+}
+
+/// One invocation: a stream batch, a retry-queue batch, or (any other event) the sweep.
 pub async fn handle(
     event: LambdaEvent<serde_json::Value>,
     deliverer: Arc<Deliverer>,
@@ -62,9 +119,19 @@ pub async fn handle(
     let now = clock.now();
     let remaining = relay_shared::time_left(event.context.deadline, now);
     let deadline = now.plus(remaining.saturating_sub(Duration::from_secs(2)));
-    let report = if event.payload.get("Records").is_some() {
+    let report = if is_sqs(&event.payload) {
+        // A retry message: its push was due when it became visible. A store failure leaves the
+        // push due in the index, where the sweep finds it; the message is not retried.
+        let due = due_in_retry_messages(&event.payload);
+        let mut report = SweepReport::default();
+        let (failed, _) = deliverer.deliver_all(due, &clock, &mut report, clock.busy()).await;
+        if let Some(e) = failed {
+            tracing::warn!(event = "retry_batch_store_failure", error = %e);
+        }
+        report
+    } else if event.payload.get("Records").is_some() {
         // A record whose push is not due yet (a retry's own write, a parked push) wakes nothing:
-        // the sweep takes it when it falls due.
+        // its retry message or the sweep takes it when it falls due.
         let now = clock.now();
         let due = due_in_stream(&event.payload).into_iter().filter(|d| d.due_at <= now).collect();
         deliver_batch(&deliverer, due, clock).await?
@@ -84,7 +151,7 @@ pub async fn deliver_batch(
     clock: Arc<dyn Clock>,
 ) -> Result<SweepReport, lambda_runtime::Error> {
     let mut report = SweepReport::default();
-    let failed = deliverer.deliver_all(due, &clock, &mut report).await;
+    let (failed, _) = deliverer.deliver_all(due, &clock, &mut report, clock.busy()).await;
     match failed {
         Some(e) => {
             report.emit();
@@ -114,5 +181,21 @@ mod tests {
         assert_eq!(due[0].task_ref.as_ref(), "tsk_00000000000000000000000000000001");
         assert_eq!(due[0].due_at, Timestamp::from_millis(1_700_000_000_000));
         assert!(due_in_stream(&serde_json::json!({ "source": "aws.scheduler" })).is_empty());
+        assert!(!is_sqs(&event));
+    }
+
+    #[test]
+    fn a_retry_message_round_trips_and_bad_bodies_are_skipped() {
+        let due = DueDelivery {
+            task_ref: TaskRef::parse("tsk_00000000000000000000000000000007").expect("ref"),
+            due_at: Timestamp::from_millis(1_700_000_001_234),
+        };
+        let event = serde_json::json!({ "Records": [
+            { "eventSource": "aws:sqs", "messageId": "1", "body": retry_body(&due) },
+            { "eventSource": "aws:sqs", "messageId": "2", "body": "not json" },
+            { "eventSource": "aws:sqs", "messageId": "3", "body": "{\"task_ref\":\"x\",\"due_at_ms\":1}" }
+        ]});
+        assert!(is_sqs(&event));
+        assert_eq!(due_in_retry_messages(&event), vec![due]);
     }
 }

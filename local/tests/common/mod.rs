@@ -29,7 +29,8 @@ pub fn free_port() -> u16 {
 }
 
 /// `relay-local serve` on `port` and `data`, with `fake` as CaptchaAI, the poller every second
-/// and a 5 s callback grace (local mode's test settings), `api_key`, and `extra` settings.
+/// and a 5 s callback grace (local mode's test settings), `api_key`, and `extra` settings (an
+/// empty value unsets the setting: `("CALLBACK_GRACE_SECS", "")` keeps the per-kind default).
 pub fn spawn_relay(
     port: u16,
     data: &std::path::Path,
@@ -48,12 +49,25 @@ pub fn spawn_relay(
         .env("RELAY_PUBLIC_URL", format!("http://127.0.0.1:{port}"))
         .env("POLL_INTERVAL_SECS", "1")
         .env("CALLBACK_GRACE_SECS", "5")
-        .envs(extra.iter().copied())
+        .envs(extra.iter().copied().filter(|(_, v)| !v.is_empty()))
         .stdout(Stdio::null())
         .stderr(Stdio::null())
-        .spawn()
+        .spawn_unset(extra)
         .expect("spawn relay-local");
     Relay(child)
+}
+
+trait SpawnUnset {
+    fn spawn_unset(&mut self, extra: &[(&str, &str)]) -> std::io::Result<std::process::Child>;
+}
+
+impl SpawnUnset for Command {
+    fn spawn_unset(&mut self, extra: &[(&str, &str)]) -> std::io::Result<std::process::Child> {
+        for (k, _) in extra.iter().filter(|(_, v)| v.is_empty()) {
+            self.env_remove(k);
+        }
+        self.spawn()
+    }
 }
 
 pub async fn wait_healthy(http: &reqwest::Client, port: u16) -> anyhow::Result<()> {

@@ -14,6 +14,7 @@
 use aws_sdk_dynamodb::types::{AttributeValue, ReturnValue};
 
 use super::{Item, PageKey, StoreError, TaskStore, attr, condition_held, get_s, get_ts, get_u32, n, s, sdk_error};
+use crate::delivery::schedule::Failures;
 use crate::domain::{DeliveryState, DeliveryStatus, Task, TaskRef};
 use crate::time::Timestamp;
 
@@ -43,8 +44,8 @@ pub enum DeliveryFinish {
     /// This very result was delivered before (same `webhook-id`): done, and the claim's attempt
     /// is given back.
     AlreadyDelivered { id: String },
-    /// Try again at `at`.
-    Retry { at: Timestamp, outcome: String },
+    /// Try again at `at`, with the failure counts the schedule keeps.
+    Retry { at: Timestamp, outcome: String, failures: Failures },
     /// No more attempts: kept for an operator.
     Parked { outcome: String },
     /// The endpoint answered 410.
@@ -71,6 +72,7 @@ pub(super) fn state(item: &Item) -> Result<DeliveryState, StoreError> {
         delivered_at: get_ts(item, DLV_DONE_AT)?,
         delivered_id: get_s(item, DLV_DONE_ID)?.map(str::to_owned),
         parked_at: get_ts(item, DLV_PARKED_AT)?,
+        failures: Failures { token: get_u32(item, DLV_TOKEN_FAILS)?, standard: get_u32(item, DLV_STANDARD_FAILS)? },
     })
 }
 
@@ -210,13 +212,15 @@ impl TaskStore {
                 req = req.expression_attribute_values(":one", n(1));
                 (DeliveryStatus::Delivered, "")
             }
-            DeliveryFinish::Retry { at, outcome } => {
+            DeliveryFinish::Retry { at, outcome, failures } => {
                 req = req
                     .update_expression(
-                        "SET dlv_status = :status, dlv_due = :next, dlv_last = :outcome, dlv_last_at = :now \
-                         REMOVE dlv_lease",
+                        "SET dlv_status = :status, dlv_due = :next, dlv_last = :outcome, dlv_last_at = :now, \
+                         dlv_tfails = :tfails, dlv_sfails = :sfails REMOVE dlv_lease",
                     )
-                    .expression_attribute_values(":next", n(at.as_millis()));
+                    .expression_attribute_values(":next", n(at.as_millis()))
+                    .expression_attribute_values(":tfails", n(u64::from(failures.token)))
+                    .expression_attribute_values(":sfails", n(u64::from(failures.standard)));
                 (DeliveryStatus::Retrying, outcome.as_str())
             }
             DeliveryFinish::Parked { outcome } => {
@@ -310,8 +314,8 @@ impl TaskStore {
             .table_name(&self.table)
             .key(attr::PK, s(task_ref.as_ref()))
             .update_expression(
-                "SET dlv_due = :now, dlv_status = :pending, dlv_attempts = :zero \
-                 REMOVE dlv_parked_at, dlv_lease, dlv_done_id",
+                "SET dlv_due = :now, dlv_status = :pending, dlv_attempts = :zero, dlv_tfails = :zero, \
+                 dlv_sfails = :zero REMOVE dlv_parked_at, dlv_lease, dlv_done_id",
             )
             .condition_expression(
                 "attribute_exists(dlv_shard) AND attribute_exists(dlv_status) \
@@ -323,7 +327,11 @@ impl TaskStore {
             .expression_attribute_values(":zero", n(0))
             .send()
             .await;
-        condition_held(res)
+        let replayed = condition_held(res)?;
+        if replayed && let Some(notify) = &self.pushes {
+            (notify.0)(DueDelivery { task_ref: task_ref.clone(), due_at: now });
+        }
+        Ok(replayed)
     }
 
     /// The webhook secrets kept for `owner` (`whsec_current[,whsec_previous]`), if any.
@@ -438,7 +446,8 @@ mod tests {
         assert_eq!(due_at(&store, 35_000).await.len(), 1, "a lapsed lease is due again");
 
         // A retry, then a delivery.
-        let retry = DeliveryFinish::Retry { at: t(40_000), outcome: "HTTP 500".into() };
+        let failures = Failures { token: 0, standard: 1 };
+        let retry = DeliveryFinish::Retry { at: t(40_000), outcome: "HTTP 500".into(), failures };
         assert!(
             !store.finish_delivery(&task.task_ref, "w2", t(35_000), &retry, t(12_000)).await.expect("f"),
             "not w2's lease"
@@ -446,8 +455,8 @@ mod tests {
         assert!(store.finish_delivery(&task.task_ref, "w1", t(35_000), &retry, t(12_000)).await.expect("f"));
         let d = store.get(&task.task_ref).await.expect("get").expect("task").delivery.expect("state");
         assert_eq!(
-            (d.status, d.next_attempt_at, d.last_outcome.as_deref()),
-            (DeliveryStatus::Retrying, Some(t(40_000)), Some("HTTP 500"))
+            (d.status, d.next_attempt_at, d.last_outcome.as_deref(), d.failures),
+            (DeliveryStatus::Retrying, Some(t(40_000)), Some("HTTP 500"), failures)
         );
         let due = due_at(&store, 40_000).await;
         let id = shown.webhook_id().expect("an id");
@@ -499,7 +508,7 @@ mod tests {
         let again = DeliveryFinish::AlreadyDelivered { id };
         assert!(store.finish_delivery(&task.task_ref, "w1", t(95_000), &again, t(70_100)).await.expect("f"));
         let d = store.get(&task.task_ref).await.expect("get").expect("task").delivery.expect("state");
-        assert_eq!((d.status, d.attempts), (DeliveryStatus::Delivered, 0));
+        assert_eq!((d.status, d.attempts, d.failures), (DeliveryStatus::Delivered, 0, Failures::default()));
 
         // An expiry is a terminal write too.
         let late = pending(&store, true, "102").await;

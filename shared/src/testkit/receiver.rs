@@ -8,13 +8,20 @@
 //! | `/flaky/…`    | 500 to the first 2 requests for the path, then 200                   |
 //! | `/once/…`     | 500 to the first request, then 200                                   |
 //! | `/limited/…`  | 429 with `Retry-After: 120` to the first request, then 200           |
+//! | `/limited2/…` | 429 with `Retry-After: 2` to the first request, then 200             |
 //! | `/slow/…`     | the first request never answered (the sender times out), then 200    |
+//! | `/reset/…`    | the first request's connection cut without an answer, then 200       |
+//! | `/redirect/…` | 302 to another URL for the first request (never followed), then 200  |
+//! | `/slow7/…`    | 200, every time after 7 s                                            |
+//! | `/large/…`    | 200 with a 4 MiB body                                                |
 //! | `/gone/…`     | 410                                                                  |
 //! | `/never/…`    | 503, always                                                          |
 //!
 //! and while [`Receiver::set_down`] says so, every connection is cut without an answer (a
 //! process that is down). Every request is recorded — headers that matter, body, clock time,
-//! what it was answered — for the tests to check against.
+//! what it was answered — for the tests to check against. Delays (a hang, a slow answer) are
+//! waits on the receiver's clock: on a simulated clock they take simulated time, as the
+//! sender's timeout does.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -38,6 +45,8 @@ pub struct Hit {
     pub body: Vec<u8>,
     /// The status it was answered with; 0 when the connection was cut or left hanging.
     pub answered: u16,
+    /// When the answer went out (later than `at` for a slow answer).
+    pub answered_at: Timestamp,
 }
 
 #[derive(Default)]
@@ -84,18 +93,27 @@ impl Receiver {
     }
 }
 
+/// A large answer's body.
+const LARGE: usize = 4 * 1024 * 1024;
+
 async fn answer(st: &Mutex<State>, clock: &dyn Clock, uri: &Uri, headers: &HeaderMap, body: Bytes) -> Response {
+    // Held throughout, waits included: on a simulated clock a sleeper must hold a guard, or it
+    // would stand in for some other actor that is working (its sender's own guard is matched by
+    // the sender's timeout on the same clock).
+    let busy = clock.busy();
     let path = uri.path().to_owned();
     let header = |n: &str| headers.get(n).and_then(|v| v.to_str().ok()).unwrap_or_default().to_owned();
+    let at = clock.now();
     let mut hit = Hit {
         path: path.clone(),
-        at: clock.now(),
+        at,
         webhook_id: header("webhook-id"),
         webhook_timestamp: header("webhook-timestamp"),
         webhook_signature: header("webhook-signature"),
         content_type: header("content-type"),
         body: body.to_vec(),
         answered: 0,
+        answered_at: at,
     };
     let (down, nth) = {
         let mut s = st.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -105,40 +123,64 @@ async fn answer(st: &Mutex<State>, clock: &dyn Clock, uri: &Uri, headers: &Heade
         (down, *nth)
     };
     let pattern = path.trim_start_matches('/').split('/').next().unwrap_or_default().to_owned();
-    let status = if down {
-        None
+    let first = nth == 1;
+    // (status, extra header, delay); no status: no answer.
+    let (status, extra, delay): (Option<StatusCode>, Option<(&str, &str)>, Duration) = if down {
+        (None, None, Duration::ZERO)
     } else {
+        let now = Duration::ZERO;
         match pattern.as_str() {
-            "ok" => Some(StatusCode::OK),
-            "flaky" if nth <= 2 => Some(StatusCode::INTERNAL_SERVER_ERROR),
-            "flaky" => Some(StatusCode::OK),
-            "once" if nth == 1 => Some(StatusCode::INTERNAL_SERVER_ERROR),
-            "once" => Some(StatusCode::OK),
-            "limited" if nth == 1 => Some(StatusCode::TOO_MANY_REQUESTS),
-            "limited" => Some(StatusCode::OK),
-            "slow" if nth == 1 => None,
-            "slow" => Some(StatusCode::OK),
-            "gone" => Some(StatusCode::GONE),
-            "never" => Some(StatusCode::SERVICE_UNAVAILABLE),
-            _ => Some(StatusCode::NOT_FOUND),
+            "ok" | "large" => (Some(StatusCode::OK), None, now),
+            "flaky" if nth <= 2 => (Some(StatusCode::INTERNAL_SERVER_ERROR), None, now),
+            "once" if first => (Some(StatusCode::INTERNAL_SERVER_ERROR), None, now),
+            "limited" if first => (Some(StatusCode::TOO_MANY_REQUESTS), Some(("retry-after", "120")), now),
+            "limited2" if first => (Some(StatusCode::TOO_MANY_REQUESTS), Some(("retry-after", "2")), now),
+            "redirect" if first => (Some(StatusCode::FOUND), Some(("location", "http://127.0.0.1:9/elsewhere")), now),
+            "slow" | "reset" if first => (None, None, now),
+            "slow7" => (Some(StatusCode::OK), None, Duration::from_secs(7)),
+            "gone" => (Some(StatusCode::GONE), None, now),
+            "never" => (Some(StatusCode::SERVICE_UNAVAILABLE), None, now),
+            "flaky" | "once" | "limited" | "limited2" | "redirect" | "slow" | "reset" => {
+                (Some(StatusCode::OK), None, now)
+            }
+            _ => (Some(StatusCode::NOT_FOUND), None, now),
         }
     };
     hit.answered = status.map_or(0, |s| s.as_u16());
+    hit.answered_at = at.plus(delay);
     if let Ok(mut s) = st.lock() {
         s.hits.push(hit);
     }
     match status {
-        Some(StatusCode::TOO_MANY_REQUESTS) => {
-            (StatusCode::TOO_MANY_REQUESTS, [("retry-after", "120")], "slow down").into_response()
+        Some(s) => {
+            if !delay.is_zero() {
+                clock.sleep_until(at.plus(delay)).await;
+            }
+            drop(busy);
+            let mut resp = if pattern == "large" {
+                (s, vec![b'x'; LARGE]).into_response()
+            } else {
+                (s, "").into_response()
+            };
+            if let Some((k, v)) = extra
+                && let (Ok(k), Ok(v)) =
+                    (axum::http::HeaderName::from_bytes(k.as_bytes()), axum::http::HeaderValue::from_str(v))
+            {
+                resp.headers_mut().insert(k, v);
+            }
+            resp
         }
-        Some(s) => (s, "").into_response(),
         None if pattern == "slow" && !down => {
-            // Hangs past any sender's timeout (real time: the sender's clock is real).
-            tokio::time::sleep(Duration::from_secs(120)).await;
+            // Hangs past any sender's timeout.
+            clock.sleep_until(at.plus(Duration::from_secs(120))).await;
+            drop(busy);
             (StatusCode::OK, "").into_response()
         }
-        // Down: the connection is cut without an answer.
-        None => std::panic::resume_unwind(Box::new("receiver is down")),
+        // Down, or a reset: the connection is cut without an answer.
+        None => {
+            drop(busy);
+            std::panic::resume_unwind(Box::new("connection cut"))
+        }
     }
 }
 
@@ -202,4 +244,108 @@ pub fn verify_with_reference(secret: &str, hits: &[Hit]) -> anyhow::Result<Vec<S
     writer.join().map_err(|_| anyhow::anyhow!("writer panicked"))??;
     anyhow::ensure!(out.status.success(), "webhook_verify.py failed");
     Ok(String::from_utf8(out.stdout)?.lines().map(str::to_owned).collect())
+}
+
+/// What the receiver's requests say about a set of tasks' pushes (see [`check_pushes`]).
+#[derive(Debug, Default, Clone)]
+pub struct PushCheck {
+    pub tasks: usize,
+    /// The push is recorded delivered and the receiver answered it 2xx.
+    pub delivered: usize,
+    /// The push is recorded gone and the receiver's path answers 410.
+    pub gone: usize,
+    /// Tasks whose push is neither (with what their delivery says).
+    pub owed: Vec<String>,
+    /// Results that carried a live token when they were recorded.
+    pub fresh_at_record: usize,
+    /// Of those, the ones whose first accepted push was sent after the token died (or no longer
+    /// carried it). Should be none.
+    pub pushed_after_death: Vec<String>,
+    /// Delivered pushes whose first 2xx came more than `within` after the result's record.
+    pub late: Vec<String>,
+    /// Tasks whose requests carried more than one `webhook-id`.
+    pub extra_ids: usize,
+    /// Requests answered 2xx more than once for one task (the same webhook-id: duplicates an
+    /// owner drops).
+    pub repeats: usize,
+    /// Per delivered push: from the result's record to the receiver's 2xx, ms.
+    pub record_to_2xx_ms: Vec<u64>,
+    /// Per delivered push that carried a token: its life left when the receiver got it, ms.
+    pub life_left_ms: Vec<u64>,
+    pub requests: usize,
+}
+
+/// Checks every task's push against the receiver's requests: `tasks` are the tasks as stored
+/// now with the receiver path each was given; `within` is the time a delivered push may take
+/// from the result's record to its first 2xx.
+pub fn check_pushes(tasks: &[(crate::domain::Task, String)], hits: &[Hit], within: Duration) -> PushCheck {
+    use crate::domain::{DeliveryStatus, TaskState};
+    let mut by_path: HashMap<&str, Vec<&Hit>> = HashMap::new();
+    for h in hits {
+        by_path.entry(h.path.as_str()).or_default().push(h);
+    }
+    let mut c = PushCheck { tasks: tasks.len(), requests: hits.len(), ..PushCheck::default() };
+    for (task, path) in tasks {
+        let got = by_path.get(path.as_str()).cloned().unwrap_or_default();
+        let ids: std::collections::BTreeSet<&str> = got.iter().map(|h| h.webhook_id.as_str()).collect();
+        c.extra_ids += ids.len().saturating_sub(1);
+        let ok: Vec<&&Hit> = got.iter().filter(|h| (200..300).contains(&h.answered)).collect();
+        c.repeats += ok.len().saturating_sub(1);
+        let first_ok = ok.iter().min_by_key(|h| h.at);
+        let recorded = match &task.state {
+            TaskState::Solved { resolved_at, .. } | TaskState::Failed { resolved_at, .. } => Some(*resolved_at),
+            TaskState::Expired { late: Some(l), .. } => Some(l.received_at),
+            TaskState::Expired { resolved_at, .. } => Some(*resolved_at),
+            _ => None,
+        };
+        let dies = task.token_dies_at();
+        let fresh = matches!((recorded, dies), (Some(r), Some(d)) if r < d);
+        c.fresh_at_record += usize::from(fresh);
+        let status = task.delivery.as_ref().map(|d| d.status);
+        match (status, first_ok) {
+            (Some(DeliveryStatus::Delivered), Some(h)) => {
+                c.delivered += 1;
+                let rec = recorded.unwrap_or(h.at);
+                let took = h.answered_at.since(rec);
+                c.record_to_2xx_ms.push(took.as_millis() as u64);
+                if took > within {
+                    c.late.push(format!("{} ({path}): first 2xx {} s after its record", task.task_ref, took.as_secs()));
+                }
+                if let Some(d) = dies {
+                    let carried = carries_token(&h.body);
+                    if fresh && (h.at >= d || !carried) {
+                        c.pushed_after_death.push(format!(
+                            "{} ({path}): recorded {} s before its token died, first taken {} s after it",
+                            task.task_ref,
+                            d.since(rec).as_secs(),
+                            h.at.since(d).as_secs()
+                        ));
+                    } else if carried {
+                        c.life_left_ms.push(d.since(h.at).as_millis() as u64);
+                    }
+                }
+            }
+            (Some(DeliveryStatus::Gone), _) if got.iter().any(|h| h.answered == 410) => c.gone += 1,
+            _ => c.owed.push(format!("{} ({path}): {:?}, {} requests", task.task_ref, task.delivery, got.len())),
+        }
+    }
+    c
+}
+
+/// Whether a push's body holds a solution (a JSON `task.solved` with one, or a pingback form
+/// whose `code` is not an error).
+fn carries_token(body: &[u8]) -> bool {
+    if let Ok(v) = serde_json::from_slice::<serde_json::Value>(body) {
+        return v["type"] == "task.solved" && v["data"]["solution"].is_string()
+            || v["data"]["late_result"]["solution"].is_string();
+    }
+    let form: Vec<(String, String)> = serde_urlencoded::from_bytes(body).unwrap_or_default();
+    form.iter().any(|(k, v)| k == "code" && !v.starts_with("ERROR_") && v != "CAPCHA_NOT_READY")
+}
+
+/// The median, 95th percentile and maximum of `v` (sorted in place), or zeros.
+pub fn p50_p95_max(v: &mut [u64]) -> (u64, u64, u64) {
+    v.sort_unstable();
+    let at = |p: f64| v.get(((v.len() as f64 - 1.0) * p).round() as usize).copied().unwrap_or(0);
+    (at(0.5), at(0.95), v.last().copied().unwrap_or(0))
 }

@@ -95,6 +95,32 @@ pub trait Clock: Send + Sync + fmt::Debug {
     fn is_simulated(&self) -> bool {
         false
     }
+
+    /// Marks a request in flight on real I/O whose other end may be an actor on this clock that
+    /// has not started on it yet (an HTTP request to a receiver that then waits on the clock).
+    /// While one is alive, a simulated clock looks twice, a moment apart, before it decides
+    /// that nothing is working. A no-op on the system clock.
+    fn io(&self) -> Io {
+        Io(None)
+    }
+}
+
+/// A request in flight on real I/O (see [`Clock::io`]). Dropping it ends it.
+#[must_use = "the guard marks a request only while it is alive"]
+pub struct Io(Option<Arc<Sim>>);
+
+impl fmt::Debug for Io {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(if self.0.is_some() { "Io(sim)" } else { "Io(noop)" })
+    }
+}
+
+impl Drop for Io {
+    fn drop(&mut self) {
+        if let Some(sim) = self.0.take() {
+            sim.lock().io -= 1;
+        }
+    }
 }
 
 /// Time from the operating system; waits are `tokio::time` sleeps.
@@ -148,6 +174,8 @@ struct SimState {
     seq: u64,
     /// Live [`Busy`] guards.
     busy: usize,
+    /// Live [`Io`] guards.
+    io: usize,
 }
 
 struct Sim {
@@ -225,16 +253,32 @@ impl ManualClock {
         }
     }
 
+    /// Waits (in real time) until nothing is working, looking twice a moment apart while
+    /// requests are in flight on real I/O ([`Clock::io`]): a request can be between its sender,
+    /// asleep on its timeout, and a receiver that has not started on it yet.
+    pub async fn settle(&self) {
+        loop {
+            self.quiesce().await;
+            if self.0.lock().io == 0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+            if self.is_quiet() {
+                return;
+            }
+        }
+    }
+
     /// The simulation: whenever nothing is working, moves time to the next moment something
     /// sleeps until, until `end`. Returns at `end` (time set to it), once nothing is working.
     pub async fn run_until(&self, end: Timestamp) {
         loop {
-            self.quiesce().await;
+            self.settle().await;
             match self.next_wake() {
                 Some(t) if t <= end => self.set(t),
                 _ => {
                     self.set(end.max(self.now()));
-                    self.quiesce().await;
+                    self.settle().await;
                     return;
                 }
             }
@@ -317,6 +361,11 @@ impl Clock for ManualClock {
 
     fn is_simulated(&self) -> bool {
         true
+    }
+
+    fn io(&self) -> Io {
+        self.0.lock().io += 1;
+        Io(Some(self.0.clone()))
     }
 }
 

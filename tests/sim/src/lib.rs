@@ -200,6 +200,9 @@ pub struct Options {
     /// Dead letters go to local mode's on-disk queue in this directory, drained by a redrive
     /// loop every 5 s (instead of an in-memory list the test drains itself).
     pub disk_queue: Option<std::path::PathBuf>,
+    /// Told of every push the relay's writes make due (a delivery worker in the same
+    /// "process", as local mode runs it).
+    pub push_notifier: Option<relay_shared::store::PushNotifier>,
 }
 
 impl Default for Options {
@@ -209,6 +212,7 @@ impl Default for Options {
             flaky_poller_store: false,
             submit_timeout: Duration::from_secs(15),
             disk_queue: None,
+            push_notifier: None,
         }
     }
 }
@@ -224,7 +228,10 @@ impl World {
         let clock = ManualClock::at(EPOCH);
         let dyn_clock: Arc<dyn Clock> = Arc::new(clock.clone());
         let db = LocalDynamo::start().await?;
-        let store = db.fresh_store().await?;
+        let mut store = db.fresh_store().await?;
+        if let Some(n) = opts.push_notifier.clone() {
+            store = store.with_push_notifier(n);
+        }
         let fake = FakeCaptchaAi::start_with_clock("127.0.0.1:0", fake, dyn_clock.clone()).await?;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let base = format!("http://{}", listener.local_addr()?);
