@@ -34,8 +34,12 @@ Checks:
                   it has its own role (SAM's would get the managed AWSLambdaDynamoDBExecutionRole:
                   every stream, every log group) with no managed policies, granting only
                   DELIVERY_ACTIONS, `*` only for ListStreams, SendMessage only to its OnFailure
-                  queue; the delivery alarms exist, watch their metric (`service` = delivery for
-                  the relay's own) and notify an SNS topic of this template.
+                  queue or its retry queue; the stream's batching window is 0 (a result is pushed at
+                  once); the retry queue (issue 23): DELIVERY_RETRY_QUEUE_URL names an SQS queue of
+                  this template that feeds the same function with a batching window of 0, and
+                  the role may receive/delete only on it; the delivery alarms exist (the
+                  token-died alarm among them), watch their metric (`service` = delivery for the
+                  relay's own) and notify an SNS topic of this template.
 """
 import copy
 import json
@@ -343,7 +347,8 @@ DELIVERY_FILTER_ATTRS = ("dlv_shard", "dlv_due")
 DELIVERY_ACTIONS = {
     "dynamodb:getitem", "dynamodb:updateitem", "dynamodb:query",
     "dynamodb:describestream", "dynamodb:getrecords", "dynamodb:getsharditerator", "dynamodb:liststreams",
-    "sqs:sendmessage", "ssm:getparameter", "secretsmanager:getsecretvalue", "kms:decrypt",
+    "sqs:sendmessage", "sqs:receivemessage", "sqs:deletemessage", "sqs:getqueueattributes",
+    "ssm:getparameter", "secretsmanager:getsecretvalue", "kms:decrypt",
     "logs:createlogstream", "logs:putlogevents",
 }
 # Actions with no resource-level permission: `*` is their only resource.
@@ -351,6 +356,7 @@ STAR_OK = {"dynamodb:liststreams"}
 # alarm: (namespace, metric) it must watch.
 DELIVERY_ALARMS = {
     "DeliveryParkedAlarm": ("CaptchaRelay", "deliveries_parked"),
+    "DeliveryTokenDiedAlarm": ("CaptchaRelay", "delivery_token_died"),
     "DeliveryAgeAlarm": ("CaptchaRelay", "oldest_delivery_due_seconds"),
     "DeliveryFailuresQueueAlarm": ("AWS/SQS", "ApproximateNumberOfMessagesVisible"),
     "DeliveryErrorsAlarm": ("AWS/Lambda", "Errors"),
@@ -439,7 +445,25 @@ def check_delivery(t, table="TasksTable"):
                 if not filter_requires(pattern, attr):
                     out.append(f"{where}: filter pattern does not require dynamodb.NewImage.{attr} to exist as N "
                                f'({{"{attr}": {{"N": [{{"exists": true}}]}}}}; `exists` without the type never matches)')
+        if ev.get("MaximumBatchingWindowInSeconds", 0) != 0:
+            out.append(f"{where}: MaximumBatchingWindowInSeconds is {ev.get('MaximumBatchingWindowInSeconds')}; "
+                       "0 pushes a result the moment it is recorded")
         r = res[fn]
+        env = ((r.get("Properties", {}).get("Environment") or {}).get("Variables") or {})
+        retry_queue = ref_target(env.get("DELIVERY_RETRY_QUEUE_URL"))
+        if retry_queue is None or res.get(retry_queue, {}).get("Type") != "AWS::SQS::Queue":
+            out.append(f"{fn}: DELIVERY_RETRY_QUEUE_URL does not name an SQS queue of this template "
+                       "(a retry on a token's fast schedule would wait for the minute's sweep)")
+            retry_queue = None
+        else:
+            sqs_events = [e.get("Properties", {}) for e in r.get("Properties", {}).get("Events", {}).values()
+                          if e.get("Type") == "SQS" and ref_target(e.get("Properties", {}).get("Queue")) == retry_queue]
+            if not sqs_events:
+                out.append(f"{fn}: no SQS event reads its retry queue {retry_queue}")
+            for e in sqs_events:
+                if e.get("MaximumBatchingWindowInSeconds", 0) != 0:
+                    out.append(f"{fn}: the retry queue's MaximumBatchingWindowInSeconds is "
+                               f"{e.get('MaximumBatchingWindowInSeconds')}; 0 delivers a retry when it falls due")
         if not any(e.get("Type") in ("ScheduleV2", "Schedule") for e in r.get("Properties", {}).get("Events", {}).values()):
             out.append(f"{fn}: no schedule (the sweep that retries what is due)")
         role = role_of(t, r)
@@ -460,8 +484,11 @@ def check_delivery(t, table="TasksTable"):
                 out.append(f"{role}: grants {a}, beyond the delivery function's actions")
             if "*" in resources and actions - STAR_OK:
                 out.append(f"{role}: grants {sorted(actions - STAR_OK)} on *")
-            if "sqs:sendmessage" in actions and any(ref_target(x) != queue for x in resources):
-                out.append(f"{role}: sqs:SendMessage on {resources}; only the OnFailure queue {queue}")
+            if "sqs:sendmessage" in actions and any(ref_target(x) not in (queue, retry_queue) for x in resources):
+                out.append(f"{role}: sqs:SendMessage on {resources}; only the OnFailure queue {queue} or the retry queue")
+            reads = actions & {"sqs:receivemessage", "sqs:deletemessage", "sqs:getqueueattributes"}
+            if reads and any(ref_target(x) != retry_queue for x in resources):
+                out.append(f"{role}: {sorted(reads)} on {resources}; only the retry queue {retry_queue}")
             item = actions & {"dynamodb:getitem", "dynamodb:updateitem", "dynamodb:query"}
             if item and not all(ref_target(x) == table or (isinstance(x, dict) and f"${{{table}.Arn}}/index/" in json.dumps(x)) for x in resources):
                 out.append(f"{role}: {sorted(item)} on {resources}; only {table} and its indexes")
@@ -652,6 +679,12 @@ def delivery_cases(t, broken, failures):
         ("delivery", broken(add_statement({"Effect": "Allow", "Action": "dynamodb:*", "Resource": table_arn})), "beyond"),
         ("delivery", broken(add_statement({"Effect": "Allow", "Action": "dynamodb:GetItem", "Resource": "*"})), "on *"),
         ("delivery", broken(add_statement({"Effect": "Allow", "Action": "sqs:SendMessage", "Resource": {"Fn::GetAtt": ["DeadLetterQueue", "Arn"]}})), "only the OnFailure queue"),
+        ("delivery", broken(lambda c: ev(c).__setitem__("MaximumBatchingWindowInSeconds", 1)), "MaximumBatchingWindowInSeconds is 1"),
+        ("delivery", broken(lambda c: c["Resources"][fn]["Properties"]["Environment"]["Variables"].pop("DELIVERY_RETRY_QUEUE_URL")), "DELIVERY_RETRY_QUEUE_URL"),
+        ("delivery", broken(lambda c: [c["Resources"][fn]["Properties"]["Events"].pop(k) for k, e in list(c["Resources"][fn]["Properties"]["Events"].items()) if e["Type"] == "SQS"]), "no SQS event reads"),
+        ("delivery", broken(lambda c: [e["Properties"].__setitem__("MaximumBatchingWindowInSeconds", 5) for e in c["Resources"][fn]["Properties"]["Events"].values() if e["Type"] == "SQS"]), "retry queue's MaximumBatchingWindowInSeconds"),
+        ("delivery", broken(add_statement({"Effect": "Allow", "Action": "sqs:ReceiveMessage", "Resource": {"Fn::GetAtt": ["DeadLetterQueue", "Arn"]}})), "only the retry queue"),
+        ("delivery", broken(lambda c: c["Resources"].pop("DeliveryTokenDiedAlarm")), "no DeliveryTokenDiedAlarm"),
         ("delivery", broken(lambda c: c["Resources"].pop(alarm)), f"no {alarm}"),
         ("delivery", broken(lambda c: c["Resources"][alarm]["Properties"].pop("AlarmActions")), "AlarmTopic"),
         ("delivery", broken(lambda c: c["Resources"][alarm]["Properties"].__setitem__("Dimensions", [{"Name": "service", "Value": "poller"}])), "service = delivery"),

@@ -177,7 +177,11 @@ async fn every_token_reaches_a_failing_owner_alive_through_a_sigkill() -> anyhow
         "| answered 2xx more than once (same webhook-id) / tasks under more than one webhook-id | {} / {} |",
         c.repeats, c.extra_ids
     );
-    println!("| signatures verified by the standardwebhooks library | {} of {} |", answers.len() - failed.len(), hits.len());
+    println!(
+        "| signatures verified by the standardwebhooks library | {} of {} |",
+        answers.len() - failed.len(),
+        hits.len()
+    );
     println!("| wall time | {} s |", started.elapsed().as_secs());
     for line in c.owed.iter().chain(&c.late).chain(&c.pushed_after_death).take(20) {
         eprintln!("{line}");

@@ -419,7 +419,6 @@ impl Deliverer {
                 if batch.is_empty() {
                     break;
                 }
-                let n = batch.len();
                 let (_, b) = self.deliver_all(batch, &clock, &mut report, busy).await;
                 busy = b;
                 if report.errors > 0 && !report.did_work() {
@@ -476,7 +475,9 @@ impl Deliverer {
         while let Some(done) = work.join_next().await {
             let e = match done {
                 Ok((_, res, b)) => {
-                    held = Some(b);
+                    // Only the last push's guard is kept: one held while the others sleep on
+                    // the clock would keep a simulated clock from ever moving.
+                    held = work.is_empty().then_some(b);
                     match res {
                         Ok(a) => {
                             report.add(&a);

@@ -776,7 +776,9 @@ impl Task {
                 attempts: d.attempts,
                 webhook_id: d.delivered_id.clone(),
                 next_attempt_at: d.next_attempt_at.map(Timestamp::to_rfc3339),
-                schedule: d.next_attempt_at.map(|at| crate::delivery::schedule::Phase::at(self.token_dies_at(), at).as_str()),
+                schedule: d
+                    .next_attempt_at
+                    .map(|at| crate::delivery::schedule::Phase::at(self.token_dies_at(), at).as_str()),
                 last_attempt_at: d.last_attempt_at.map(Timestamp::to_rfc3339),
                 last_outcome: d.last_outcome.clone(),
                 delivered_at: d.delivered_at.map(Timestamp::to_rfc3339),

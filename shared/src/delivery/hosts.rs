@@ -30,8 +30,8 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 
 use super::DeliverySettings;
-use crate::store::hosts::{HostRecord, Slot, SlotWrite};
 use crate::store::TaskStore;
+use crate::store::hosts::{HostRecord, Slot, SlotWrite};
 use crate::time::{Busy, Clock, Timestamp};
 
 /// The limit a host starts with (or the ceiling, if lower).
@@ -165,7 +165,8 @@ impl GateState {
             }
         }
         // Slots this process is taking that the record does not show yet.
-        counted += self.mine.iter().filter(|i| self.record.slots.get(i).is_none_or(|sl| sl.until <= now)).count() as u32;
+        counted +=
+            self.mine.iter().filter(|i| self.record.slots.get(i).is_none_or(|sl| sl.until <= now)).count() as u32;
         (counted, (self.limit(s) + slow).min(s.per_host_concurrency))
     }
 
@@ -294,7 +295,9 @@ impl Gate {
                             if st.record.slots.get(&slot).is_none_or(|sl| sl.until <= now) {
                                 // Refused, yet the answer shows it free (the item changed under
                                 // us): keep off it a moment rather than ask again at once.
-                                st.record.slots.insert(slot, Slot { until: now.plus(Duration::from_millis(100)), began: None });
+                                st.record
+                                    .slots
+                                    .insert(slot, Slot { until: now.plus(Duration::from_millis(100)), began: None });
                             }
                         }
                         Err(e) => {
@@ -342,7 +345,14 @@ impl Gate {
         }
     }
 
-    fn permit(self: &Arc<Self>, slot: u32, held_until: Timestamp, not_before: Timestamp, waited: bool, local_only: bool) -> Permit {
+    fn permit(
+        self: &Arc<Self>,
+        slot: u32,
+        held_until: Timestamp,
+        not_before: Timestamp,
+        waited: bool,
+        local_only: bool,
+    ) -> Permit {
         Permit { gate: self.clone(), slot, held_until, not_before, waited, local_only, released: false }
     }
 
@@ -368,14 +378,15 @@ impl Gate {
                     Some((seen, limit + 1))
                 }
                 Signal::Overloaded
-                    if limit > 1
-                        && st.record.limit_at.is_none_or(|at| now.since(at) >= DECREASE_EVERY) =>
+                    if limit > 1 && st.record.limit_at.is_none_or(|at| now.since(at) >= DECREASE_EVERY) =>
                 {
                     Some((seen, (limit / 2).max(1)))
                 }
                 _ => None,
             };
-            let spacing = Duration::from_millis(u64::from(change.map_or(limit, |c| c.1)) * 1000 / u64::from(s.per_host_per_second));
+            let spacing = Duration::from_millis(
+                u64::from(change.map_or(limit, |c| c.1)) * 1000 / u64::from(s.per_host_per_second),
+            );
             (change, spacing, permit.held_until)
         };
         let began = permit.not_before;
@@ -481,7 +492,8 @@ mod tests {
         let gate = gates.gate("owner.example");
         let c: &dyn Clock = &clock;
         let now = clock.now();
-        let first = gate.acquire(&store, now.plus(Duration::from_secs(100)), now.plus(Duration::from_secs(10)), c, &s).await;
+        let first =
+            gate.acquire(&store, now.plus(Duration::from_secs(100)), now.plus(Duration::from_secs(10)), c, &s).await;
         let first = first.expect("a free host");
         // Three more wait; they were queued late-deadline first.
         let order = Arc::new(Mutex::new(Vec::new()));
@@ -492,7 +504,9 @@ mod tests {
                 let gate = g;
                 let c: &dyn Clock = &clock;
                 let now = c.now();
-                let p = gate.acquire(&store, now.plus(Duration::from_secs(deadline)), now.plus(Duration::from_secs(10)), c, &s).await;
+                let p = gate
+                    .acquire(&store, now.plus(Duration::from_secs(deadline)), now.plus(Duration::from_secs(10)), c, &s)
+                    .await;
                 let p = p.expect("a turn in time");
                 order.lock().expect("lock").push(name);
                 gate.release(p, &store, Signal::Ok, c, &s).await;
@@ -509,7 +523,8 @@ mod tests {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn the_limit_grows_under_demand_and_halves_on_overload_and_slow_requests_do_not_count() -> anyhow::Result<()> {
+    async fn the_limit_grows_under_demand_and_halves_on_overload_and_slow_requests_do_not_count() -> anyhow::Result<()>
+    {
         let db = LocalDynamo::start().await?;
         let store = db.fresh_store().await?;
         let clock = ManualClock::at(Timestamp::from_millis(1_000_000));

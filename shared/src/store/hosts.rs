@@ -253,7 +253,10 @@ mod tests {
         assert_eq!((r.limit, r.limit_at), (Some(9), None), "a raise is not stamped");
         assert_eq!(r.slots.get(&3), Some(&Slot { until: t(1_160), began: None }));
         // Free again after the spacing.
-        assert!(matches!(store.take_host_slot(h, 3, t(1_150), t(16_000), 8).await.expect("take"), SlotWrite::Refused(_)));
+        assert!(matches!(
+            store.take_host_slot(h, 3, t(1_150), t(16_000), 8).await.expect("take"),
+            SlotWrite::Refused(_)
+        ));
         let SlotWrite::Done(_) = store.take_host_slot(h, 3, t(1_160), t(16_160), 8).await.expect("take") else {
             panic!("free after the spacing")
         };

@@ -157,11 +157,8 @@ async fn answer(st: &Mutex<State>, clock: &dyn Clock, uri: &Uri, headers: &Heade
                 clock.sleep_until(at.plus(delay)).await;
             }
             drop(busy);
-            let mut resp = if pattern == "large" {
-                (s, vec![b'x'; LARGE]).into_response()
-            } else {
-                (s, "").into_response()
-            };
+            let mut resp =
+                if pattern == "large" { (s, vec![b'x'; LARGE]).into_response() } else { (s, "").into_response() };
             if let Some((k, v)) = extra
                 && let (Ok(k), Ok(v)) =
                     (axum::http::HeaderName::from_bytes(k.as_bytes()), axum::http::HeaderValue::from_str(v))

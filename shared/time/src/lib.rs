@@ -57,6 +57,13 @@ impl Timestamp {
     }
 
     /// RFC 3339 in UTC with millisecond precision, e.g. `2026-12-02T11:15:46.123Z`.
+    /// Parses what [`Self::to_rfc3339`] writes (any RFC 3339 time in UTC); `None` if it is not one.
+    pub fn parse_rfc3339(text: &str) -> Option<Self> {
+        let t = humantime::parse_rfc3339(text).ok()?;
+        let ms = t.duration_since(UNIX_EPOCH).ok()?.as_millis();
+        u64::try_from(ms).ok().map(Self)
+    }
+
     pub fn to_rfc3339(self) -> String {
         humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(self.0)).to_string()
     }
@@ -376,6 +383,11 @@ mod tests {
     #[test]
     fn formats_rfc3339_in_utc_with_millis() {
         assert_eq!(Timestamp::from_millis(1_796_210_146_123).to_rfc3339(), "2026-12-02T11:15:46.123Z");
+        assert_eq!(
+            Timestamp::parse_rfc3339("2026-12-02T11:15:46.123Z"),
+            Some(Timestamp::from_millis(1_796_210_146_123))
+        );
+        assert_eq!(Timestamp::parse_rfc3339("yesterday"), None);
     }
 
     #[test]

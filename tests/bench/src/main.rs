@@ -10,6 +10,7 @@ mod callback;
 mod coldstart;
 mod cost;
 mod poller;
+mod push;
 mod report;
 mod stats;
 mod telemetry;
@@ -20,7 +21,7 @@ use std::path::PathBuf;
 use clap::Parser;
 
 /// Which parts exist, in the order they run.
-pub const PARTS: [&str; 5] = ["callback", "wrk", "coldstart", "poller", "cost"];
+pub const PARTS: [&str; 6] = ["callback", "wrk", "coldstart", "poller", "cost", "push"];
 
 #[derive(Debug, Clone, Parser)]
 #[command(about = "The relay's performance bench: one report, written to a file")]
@@ -28,7 +29,7 @@ pub struct Opts {
     /// The smoke version: every part runs, on small numbers (checks the bench, not timings).
     #[arg(long)]
     pub quick: bool,
-    /// Comma-separated parts to run (default: all): callback, wrk, coldstart, poller, cost.
+    /// Comma-separated parts to run (default: all): callback, wrk, coldstart, poller, cost, push.
     #[arg(long, value_delimiter = ',')]
     pub parts: Vec<String>,
     /// Where the report goes.
@@ -85,6 +86,7 @@ fn main() -> anyhow::Result<()> {
                 "coldstart" => coldstart::run(&opts).await,
                 "poller" => poller::run(&opts).await,
                 "cost" => cost::run(&opts).await,
+                "push" => push::run(&opts).await,
                 _ => unreachable!("parts are checked above"),
             }
         });

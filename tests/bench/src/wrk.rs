@@ -172,7 +172,7 @@ impl Drop for TempDir {
 
 /// A process the bench started, leader of its own process group (gunicorn's workers are in it).
 /// [`Proc::stop`] ends the group gracefully; dropping it (an error on the way) kills the group.
-struct Proc {
+pub(crate) struct Proc {
     name: String,
     child: tokio::process::Child,
     pgid: Option<u32>,
@@ -180,7 +180,7 @@ struct Proc {
 }
 
 impl Proc {
-    fn spawn(name: &str, mut cmd: tokio::process::Command, log: PathBuf) -> anyhow::Result<Self> {
+    pub(crate) fn spawn(name: &str, mut cmd: tokio::process::Command, log: PathBuf) -> anyhow::Result<Self> {
         let out = std::fs::File::create(&log).with_context(|| format!("cannot create {}", log.display()))?;
         cmd.stdin(Stdio::null())
             .stdout(out.try_clone()?)
@@ -210,7 +210,7 @@ impl Proc {
     }
 
     /// The end of its output, for an error message.
-    fn log_tail(&self) -> String {
+    pub(crate) fn log_tail(&self) -> String {
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
         let lines: Vec<&str> = text.lines().collect();
         let tail = lines[lines.len().saturating_sub(15)..].join("\n");
@@ -218,7 +218,7 @@ impl Proc {
     }
 
     /// Waits until `url` answers anything at all (any status).
-    async fn wait_ready(&mut self, http: &reqwest::Client, url: &str) -> anyhow::Result<()> {
+    pub(crate) async fn wait_ready(&mut self, http: &reqwest::Client, url: &str) -> anyhow::Result<()> {
         let until = Instant::now() + READY_WITHIN;
         loop {
             if let Some(status) = self.child.try_wait()? {
@@ -253,11 +253,11 @@ impl Drop for Proc {
     }
 }
 
-fn free_port() -> anyhow::Result<u16> {
+pub(crate) fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
-fn random_secret() -> String {
+pub(crate) fn random_secret() -> String {
     format!("{}{}", uuid::Uuid::new_v4().simple(), uuid::Uuid::new_v4().simple())
 }
 

@@ -7,7 +7,9 @@
 //! own visibility timeout → invoke the redrive function with a real SQS event → delete all but
 //! the reported failures), and the DynamoDB stream event source (moto's table stream, read with
 //! GetRecords, filtered by the template's FilterCriteria, batched into DynamoDB stream events for
-//! the delivery function, retried 3 times, then counted as sent to the failures queue). Half the
+//! the delivery function, retried 3 times, then counted as sent to the failures queue), and the
+//! delivery function's retry queue (its delayed messages received as they become visible, each
+//! batch an SQS event for the delivery function). Half the
 //! tasks carry an owner callback URL pointing at a receiver on loopback that fails by pattern
 //! (500 once, 410): every push must end delivered or gone, one `webhook-id` per task, each
 //! signature accepted by the Standard Webhooks reference library. The relay runs with the template's defaults (callback grace per kind, poll rate,
@@ -115,17 +117,18 @@ async fn create_table(template: &Value, client: &aws_sdk_dynamodb::Client, name:
 }
 
 /// Creates the template's queues (poison first, then the dead-letter queue whose redrive
-/// policy points at it). Returns (dead-letter queue, poison queue).
+/// policy points at it, then the delivery function's retry queue). Returns (dead-letter queue,
+/// poison queue, retry queue).
 async fn create_queues(
     template: &Value,
     client: &aws_sdk_sqs::Client,
     suffix: &str,
-) -> anyhow::Result<(SqsQueue, SqsQueue)> {
+) -> anyhow::Result<(SqsQueue, SqsQueue, SqsQueue)> {
     use aws_sdk_sqs::types::QueueAttributeName as A;
     let res = &template["Resources"];
     let mut urls = HashMap::new();
     let mut arns = HashMap::new();
-    for name in ["PoisonQueue", "DeadLetterQueue"] {
+    for name in ["PoisonQueue", "DeadLetterQueue", "DeliveryRetryQueue"] {
         let props = &res[name]["Properties"];
         let mut req = client.create_queue().queue_name(format!("{name}-{suffix}"));
         if let Some(v) = props.get("VisibilityTimeout") {
@@ -158,6 +161,7 @@ async fn create_queues(
     Ok((
         SqsQueue::new(client.clone(), urls["DeadLetterQueue"].clone()),
         SqsQueue::new(client.clone(), urls["PoisonQueue"].clone()),
+        SqsQueue::new(client.clone(), urls["DeliveryRetryQueue"].clone()),
     ))
 }
 
@@ -387,7 +391,7 @@ async fn main() -> anyhow::Result<()> {
     let suffix = format!("{}", std::process::id());
     let table = format!("e2e-tasks-{suffix}");
     create_table(&template, &client_for(&moto), &table).await.context("creating the table from the template")?;
-    let (dlq, poison) =
+    let (dlq, poison, retry_queue) =
         create_queues(&template, &sqs_client_for(&moto), &suffix).await.context("creating the queues")?;
     let visibility = resolve(&template, &template["Resources"]["DeadLetterQueue"]["Properties"]["VisibilityTimeout"])
         .as_i64()
@@ -418,6 +422,8 @@ async fn main() -> anyhow::Result<()> {
         ("CALLBACK_BASE_URL", format!("{base}/lambda-url/relay-callback")),
         ("DEAD_LETTER_QUEUE_URL", dlq.url().to_owned()),
         ("POISON_QUEUE_URL", poison.url().to_owned()),
+        // Through the flaky proxy like every SQS call: a lost retry message costs only time.
+        ("DELIVERY_RETRY_QUEUE_URL", retry_queue.url().to_owned()),
         ("WEBHOOK_SECRETS", webhook_secret.clone()),
         // The receiver is on loopback; on AWS the template sets public_https (the guard's own
         // tests cover it).
@@ -462,6 +468,7 @@ async fn main() -> anyhow::Result<()> {
         flaky_sqs: &flaky_sqs,
         dlq: &dlq,
         poison: &poison,
+        retry_queue: &retry_queue,
         receiver: &receiver,
         webhook_secret: &webhook_secret,
     };
@@ -504,6 +511,7 @@ struct Parts<'a> {
     flaky_sqs: &'a FlakyDynamo,
     dlq: &'a SqsQueue,
     poison: &'a SqsQueue,
+    retry_queue: &'a SqsQueue,
     receiver: &'a Receiver,
     webhook_secret: &'a str,
 }
@@ -676,6 +684,27 @@ async fn scenario(cfg: &Config, p: &Parts<'_>, visibility: i32, table: &str, mot
             }
         }
     };
+    // The retry queue's event source (no batching window, as the template's): a message visible
+    // (its delay over) wakes the delivery function with it; all are deleted (a push the
+    // function could not record stays due in the index, the sweep's).
+    let retries = std::sync::atomic::AtomicUsize::new(0);
+    let retry_source = async {
+        while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+            let got = p.retry_queue.receive(10, 360, 1).await.unwrap_or_default();
+            if got.is_empty() {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                continue;
+            }
+            let event = sqs_event("arn:aws:sqs:us-east-1:123456789012:DeliveryRetryQueue", &got);
+            if let Err(e) = p.emu.invoke("relay-delivery", &event).await {
+                eprintln!("retry batch failed: {e:#}");
+            }
+            retries.fetch_add(got.len(), std::sync::atomic::Ordering::SeqCst);
+            for m in &got {
+                let _ = p.retry_queue.delete(&m.receipt_handle).await;
+            }
+        }
+    };
     // The DynamoDB stream event source.
     let stream_failed = std::sync::atomic::AtomicUsize::new(0);
     let stream = async {
@@ -702,7 +731,8 @@ async fn scenario(cfg: &Config, p: &Parts<'_>, visibility: i32, table: &str, mot
         }
         stop.store(true, std::sync::atomic::Ordering::SeqCst);
     };
-    let (submitted, (), (), (), (), ()) = tokio::join!(submitter, director, scheduler, event_source, stream, owner);
+    let (submitted, (), (), (), (), (), ()) =
+        tokio::join!(submitter, director, scheduler, event_source, retry_source, stream, owner);
     submitted?;
     // Poisoned letters: listed by the operator command's code, moved back, drained.
     let poisoned = relay_ops::list(p.poison, 10_000).await?;
@@ -721,7 +751,7 @@ async fn scenario(cfg: &Config, p: &Parts<'_>, visibility: i32, table: &str, mot
         poisoned.len(),
         t0,
         relay_key,
-        stream_failed.load(std::sync::atomic::Ordering::SeqCst),
+        (stream_failed.load(std::sync::atomic::Ordering::SeqCst), retries.load(std::sync::atomic::Ordering::SeqCst)),
     )
     .await
 }
@@ -851,7 +881,7 @@ async fn check(
     poisoned: usize,
     t0: Instant,
     relay_key: &str,
-    stream_failed: usize,
+    (stream_failed, retries): (usize, usize),
 ) -> anyhow::Result<Report> {
     use relay_shared::domain::{Outcome, TaskRef, TaskState};
     let (mut compat_tasks, mut compat_disagree) = (0usize, Vec::new());
@@ -998,6 +1028,7 @@ async fn check(
         ("push requests / verified by standardwebhooks", format!("{} / {}", hits.len(), verified)),
         ("tasks pushed under > 1 webhook-id", extra_ids.to_string()),
         ("stream batches to the failures queue", stream_failed.to_string()),
+        ("retry messages delivered (retry queue)", retries.to_string()),
         ("real time", format!("{:.0} s", t0.elapsed().as_secs_f64())),
     ];
     let mut table_text = format!(
@@ -1041,6 +1072,9 @@ async fn check(
     need(extra_ids == 0, format!("{extra_ids} tasks pushed under more than one webhook-id"));
     need(verified == hits.len() && !hits.is_empty(), format!("{verified} of {} signatures verified", hits.len()));
     need(stream_failed == 0, format!("{stream_failed} stream batches failed"));
+    // The 500-once receiver makes a retry of every such push: on a token's fast schedule it
+    // must come back through the retry queue, not wait for the minute's sweep.
+    need(retries > 0, "no retry came back through the retry queue".into());
     if !cfg.chaos {
         need(
             by_via.get("redrive").copied().unwrap_or(0) > 0,

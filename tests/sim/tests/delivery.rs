@@ -182,7 +182,8 @@ const TOKEN_PATTERNS: [(&str, usize); 9] = [
 async fn every_token_reaches_a_failing_owner_alive_through_a_kill() -> anyhow::Result<()> {
     let inbox: Arc<Mutex<Option<Inbox>>> = Arc::default();
     let opts = Options { push_notifier: Some(Worker::notifier(&inbox)), ..Options::default() };
-    let w = Arc::new(World::start_with(FakeConfig { drop_callbacks: 0.2, ..FakeConfig::captchaai_like() }, opts).await?);
+    let w =
+        Arc::new(World::start_with(FakeConfig { drop_callbacks: 0.2, ..FakeConfig::captchaai_like() }, opts).await?);
     let clock: Arc<dyn Clock> = Arc::new(w.clock.clone());
     let receiver = Receiver::start(clock.clone()).await?;
     let (_, secret) = WebhookSecret::generate();
@@ -254,7 +255,11 @@ async fn every_token_reaches_a_failing_owner_alive_through_a_kill() -> anyhow::R
         "| requests at the receiver / 2xx repeats (same webhook-id) / tasks under more than one webhook-id | {} / {} / {} |",
         c.requests, c.repeats, c.extra_ids
     );
-    println!("| signatures verified by the standardwebhooks library | {} of {} |", answers.len() - failed.len(), hits.len());
+    println!(
+        "| signatures verified by the standardwebhooks library | {} of {} |",
+        answers.len() - failed.len(),
+        hits.len()
+    );
     println!("| the host's adaptive limit at the end | {:?} |", host.limit);
     for line in c.owed.iter().chain(&c.late).chain(&c.pushed_after_death).take(20) {
         eprintln!("{line}");
@@ -390,8 +395,17 @@ async fn a_thousand_results_reach_a_failing_receiver_or_are_parked_and_listed() 
         c.requests, c.repeats
     );
     println!("| tasks pushed under more than one webhook-id | {} |", c.extra_ids);
-    println!("| signatures verified by the standardwebhooks library | {} of {} |", answers.len() - failed.len(), hits.len());
-    println!("| record → first 2xx at the receiver (s): p50 / p95 / max | {} / {} / {} |", p50 / 1000, p95 / 1000, max / 1000);
+    println!(
+        "| signatures verified by the standardwebhooks library | {} of {} |",
+        answers.len() - failed.len(),
+        hits.len()
+    );
+    println!(
+        "| record → first 2xx at the receiver (s): p50 / p95 / max | {} / {} / {} |",
+        p50 / 1000,
+        p95 / 1000,
+        max / 1000
+    );
     for line in c.owed.iter().take(20) {
         eprintln!("{line}");
     }
