@@ -547,14 +547,15 @@ mod tests {
         let mut p = p;
         p.waited = true;
         gate.release(p, &store, Signal::Ok, c, &s).await;
-        assert_eq!(store.host_record("owner.example").await?.limit, Some(INITIAL_LIMIT + 1));
+        let raised = INITIAL_LIMIT + 1;
+        assert_eq!(store.host_record("owner.example").await?.limit, Some(raised));
         let p = held.pop().expect("held");
         gate.release(p, &store, Signal::Overloaded, c, &s).await;
-        assert_eq!(store.host_record("owner.example").await?.limit, Some((INITIAL_LIMIT + 1) / 2));
+        assert_eq!(store.host_record("owner.example").await?.limit, Some(raised / 2));
         // Not twice within a second.
         let p = held.pop().expect("held");
         gate.release(p, &store, Signal::Overloaded, c, &s).await;
-        assert_eq!(store.host_record("owner.example").await?.limit, Some((INITIAL_LIMIT + 1) / 2));
+        assert_eq!(store.host_record("owner.example").await?.limit, Some(raised / 2));
         for p in held {
             gate.release(p, &store, Signal::Neutral, c, &s).await;
         }
