@@ -429,7 +429,11 @@ async fn a_thousand_results_reach_a_failing_receiver_or_are_parked_and_listed() 
     let deadline = w.clock.now().plus(Duration::from_secs(55));
     // On the clock, as every worker runs: the host's spacing waits on it.
     let sweep = tokio::spawn(async move { d.sweep_held(c2, deadline, busy).await.0 });
-    w.run_for(Duration::from_secs(60)).await;
+    // A stalled simulated clock (a busy guard held while everything else sleeps on it) fails
+    // here in real time instead of hanging the test command.
+    tokio::time::timeout(Duration::from_secs(300), w.run_for(Duration::from_secs(60)))
+        .await
+        .map_err(|_| anyhow::anyhow!("the replay's minute did not pass in 300 s of real time: the clock stalled"))?;
     let report = sweep.await?;
     eprintln!("replayed in {:?}", real.elapsed());
     assert!(report.retried >= 50, "{report:?}");
