@@ -19,7 +19,7 @@ use fake_captchaai::{FakeCaptchaAi, FakeConfig};
 
 mod common;
 use common::{Relay, spawn_relay as spawn_relay_with, wait_healthy};
-use relay_shared::domain::{CaptchaKind, TaskRef};
+use relay_shared::domain::{CaptchaKind, TaskRef, TaskState};
 use relay_shared::testkit::receiver::{Receiver, check_pushes, p50_p95_max, verify_with_reference};
 use relay_shared::time::{Clock, SystemClock};
 
@@ -152,6 +152,27 @@ async fn every_token_reaches_a_failing_owner_alive_through_a_sigkill() -> anyhow
         let task = store.get(&TaskRef::parse(r)?).await?.ok_or_else(|| anyhow::anyhow!("{r} is gone"))?;
         stored.push((task, path.clone()));
     }
+    // A task whose in.php call the SIGKILL cut (the client's one request in flight at the kill)
+    // has no CaptchaAI id: only its pingback can resolve it, and the fake may have dropped that
+    // pingback (20 % are) or never got the call. Submitting it again could pay twice, so the relay
+    // waits for the task deadline and then pushes the expired notice (the simulation's long run
+    // walks that path). Not owed yet, and at most one of them, proven from the fake's own log.
+    let fake_tasks = fake.tasks();
+    let cut: Vec<TaskRef> = stored
+        .iter()
+        .map(|(t, _)| t)
+        .filter(|t| matches!(t.state, TaskState::Submitting { .. }) && t.captcha_id.is_none())
+        .filter(|t| {
+            let at_fake: Vec<_> = fake_tasks
+                .iter()
+                .filter(|f| f.pingback.as_deref().is_some_and(|p| p.contains(t.task_ref.as_ref())))
+                .collect();
+            at_fake.is_empty() || (at_fake.len() == 1 && at_fake[0].pingbacks_planned == 0)
+        })
+        .map(|t| t.task_ref.clone())
+        .collect();
+    assert!(cut.len() <= 1, "only the submit in flight at the kill may lack its CaptchaAI id: {cut:?}");
+    let stored: Vec<_> = stored.into_iter().filter(|(t, _)| !cut.contains(&t.task_ref)).collect();
     let secret = std::fs::read_to_string(data.join("webhook-secrets"))?;
     let hits = receiver.hits();
     let mut c = check_pushes(&stored, &hits, Duration::from_secs(180));
@@ -162,6 +183,7 @@ async fn every_token_reaches_a_failing_owner_alive_through_a_sigkill() -> anyhow
     let l_min = c.life_left_ms.first().copied().unwrap_or(0);
     let s = |ms: u64| ms as f64 / 1000.0;
     println!("| tasks / of them fresh tokens when recorded | {} / {} |", c.tasks, c.fresh_at_record);
+    println!("| in.php call cut by the SIGKILL, its pingback dropped (no result yet) | {} |", cut.len());
     println!(
         "| delivered / gone (410) / still owed / over 180 s | {} / {} / {} / {} |",
         c.delivered,
@@ -189,7 +211,8 @@ async fn every_token_reaches_a_failing_owner_alive_through_a_sigkill() -> anyhow
     assert!(c.owed.is_empty(), "{} pushes still owed", c.owed.len());
     assert!(c.late.is_empty(), "{} pushes took over 180 s", c.late.len());
     assert!(c.pushed_after_death.is_empty(), "{} tokens reached the owner dead", c.pushed_after_death.len());
-    assert_eq!((c.delivered, c.gone), (370, 30));
+    assert_eq!(c.delivered + c.gone + cut.len(), 400);
+    assert!(c.gone >= 29 && c.delivered >= 369, "{} delivered, {} gone", c.delivered, c.gone);
     assert!(c.fresh_at_record >= 250, "most results carried live tokens: {}", c.fresh_at_record);
     assert_eq!(c.extra_ids, 0, "one result, one webhook-id, across the SIGKILL");
     assert!(failed.is_empty(), "refused by the reference library: {:?}", &failed[..failed.len().min(5)]);

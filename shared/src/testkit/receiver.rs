@@ -323,7 +323,14 @@ pub fn check_pushes(tasks: &[(crate::domain::Task, String)], hits: &[Hit], withi
                 }
             }
             (Some(DeliveryStatus::Gone), _) if got.iter().any(|h| h.answered == 410) => c.gone += 1,
-            _ => c.owed.push(format!("{} ({path}): {:?}, {} requests", task.task_ref, task.delivery, got.len())),
+            _ => c.owed.push(format!(
+                "{} ({path}): task {}, CaptchaAI id {}, {:?}, {} requests",
+                task.task_ref,
+                task.state.name(),
+                if task.captcha_id.is_some() { "known" } else { "unknown" },
+                task.delivery,
+                got.len()
+            )),
         }
     }
     c
