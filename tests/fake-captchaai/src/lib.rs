@@ -12,6 +12,12 @@
 //!   `ERROR: 1004` after 5 bad-key requests in a minute, `MAX_USER_TURN` for more than 60 submits
 //!   in 3 s, and `IP_BANNED` on demand; every request during a ban is answered with the ban and
 //!   counted;
+//! - a thread plan (`threads`): with n threads, in.php answers `ERROR_NO_SLOT_AVAILABLE` while n
+//!   tasks are in work (submitted and not yet solved on the clock), and the NO_SLOT ban rules are
+//!   enforced: `ERROR: 1001` (10 min) after 120 NO_SLOT answers in a minute, `ERROR: 1003` (30 s)
+//!   when the NO_SLOT answers of the last minute reach 3 × the captchas accepted in it (from 30
+//!   NO_SLOT answers on); [`FakeCaptchaAi::max_no_slot_per_minute`] and
+//!   [`FakeCaptchaAi::peak_in_work`] tell tests how close a client came;
 //! - fault windows on the clock: 5xx, HTML pages and slow answers, on in.php or res.php;
 //! - in.php answers that fail *after* the task was accepted (502, HTML, a cut connection, no
 //!   answer in time): the task is paid for and solved all the same.
@@ -125,7 +131,14 @@ pub struct FakeConfig {
     /// Fraction (0..=1) of tasks that get a second pingback with a different answer
     /// (`conflict-<id>`) a second after the real one, as a confused or malicious sender would.
     pub conflicting_callbacks: f64,
-    /// Enforce the ban rules (1004, 1005, MAX_USER_TURN).
+    /// Enforce the ban rules (1001, 1003, 1004, 1005, MAX_USER_TURN).
+    ///
+    /// The NO_SLOT rules (only reachable with `threads` set) count the `ERROR_NO_SLOT_AVAILABLE`
+    /// answers and the accepted captchas of the last 60 s, after each NO_SLOT answer (which is
+    /// still given; the ban applies from the next request on): 120 of them ban the account for
+    /// 10 minutes (`ERROR: 1001`); 30 or more that reach 3 × the captchas accepted ban it for 30 s
+    /// (`ERROR: 1003`). A ban starts the NO_SLOT count afresh, so the first NO_SLOT after it lifts
+    /// does not ban again at once.
     pub enforce_bans: bool,
     /// The window of the R ≤ 20 × C + 1200 rule. The protocol gives no window; a day is taken
     /// (the rule then holds for any client that keeps to ~20 reads a task). A 10-minute window
@@ -136,6 +149,12 @@ pub struct FakeConfig {
     pub faults: Vec<Fault>,
     /// What `action=getbalance` answers.
     pub balance: String,
+    /// The account's thread plan: how many tasks may be in work at once (from submit until
+    /// solved, on the fake's clock). `None` (the default): unlimited. With `Some(n)`, a submit
+    /// while n tasks are in work is answered `ERROR_NO_SLOT_AVAILABLE` (status 0); it creates no
+    /// task and is not counted as accepted, but it is counted in [`Counts::no_slot`] and by the
+    /// NO_SLOT ban rules (see `enforce_bans`). Scripted `submit_errors` are answered first.
+    pub threads: Option<u32>,
 }
 
 impl Default for FakeConfig {
@@ -162,6 +181,7 @@ impl Default for FakeConfig {
             ban_window_ms: 86_400_000,
             faults: Vec::new(),
             balance: "10.00".into(),
+            threads: None,
         }
     }
 }
@@ -201,6 +221,8 @@ pub struct Counts {
     pub reports_bad: u64,
     /// `getbalance` requests.
     pub balance_reads: u64,
+    /// Submits answered `ERROR_NO_SLOT_AVAILABLE` because every thread was in work.
+    pub no_slot: u64,
 }
 
 /// One task the fake knows.
@@ -250,6 +272,17 @@ struct Inner {
     accept_times: VecDeque<u64>,
     bad_key_times: VecDeque<u64>,
     submit_times: VecDeque<u64>,
+    /// When the tasks in work are solved (epoch ms), soonest first.
+    in_work: BinaryHeap<std::cmp::Reverse<u64>>,
+    /// The most tasks in work at once, as seen at an accept.
+    peak_in_work: u32,
+    /// NO_SLOT answers of the last minute (for the peak per minute).
+    no_slot_times: VecDeque<u64>,
+    max_no_slot_per_minute: u64,
+    /// NO_SLOT answers of the last minute since the last NO_SLOT ban (for 1001 and 1003).
+    no_slot_rule_times: VecDeque<u64>,
+    /// Accepts of the last minute (for 1003).
+    minute_accepts: VecDeque<u64>,
 }
 
 #[derive(Clone)]
@@ -341,6 +374,12 @@ impl FakeCaptchaAi {
                 accept_times: VecDeque::new(),
                 bad_key_times: VecDeque::new(),
                 submit_times: VecDeque::new(),
+                in_work: BinaryHeap::new(),
+                peak_in_work: 0,
+                no_slot_times: VecDeque::new(),
+                max_no_slot_per_minute: 0,
+                no_slot_rule_times: VecDeque::new(),
+                minute_accepts: VecDeque::new(),
             })),
             http: reqwest::Client::builder().timeout(Duration::from_secs(10)).build()?,
             clock,
@@ -383,6 +422,22 @@ impl FakeCaptchaAi {
     /// Changes the knobs; applies to what happens from now on.
     pub fn configure(&self, f: impl FnOnce(&mut FakeConfig)) {
         f(&mut self.shared.lock().config);
+    }
+
+    /// Tasks in work now: submitted and not yet solved on the fake's clock.
+    pub fn in_work(&self) -> u32 {
+        let now = self.shared.now();
+        in_work_at(&mut self.shared.lock(), now)
+    }
+
+    /// The most tasks in work at once, as seen at an accept (the accepted task included).
+    pub fn peak_in_work(&self) -> u32 {
+        self.shared.lock().peak_in_work
+    }
+
+    /// The most `ERROR_NO_SLOT_AVAILABLE` answers in any 60 s window so far.
+    pub fn max_no_slot_per_minute(&self) -> u64 {
+        self.shared.lock().max_no_slot_per_minute
     }
 
     /// Bans every request (`IP_BANNED`) for `d` from now on the fake's clock.
@@ -438,8 +493,7 @@ impl FakeCaptchaAi {
                         result: token(seed, id),
                     },
                 );
-                g.counts.tasks_accepted += 1;
-                g.accept_times.push_back(now);
+                accepted(&mut g, now, now);
                 id.to_string()
             })
             .collect()
@@ -657,6 +711,55 @@ fn bad_key(g: &mut Inner, now: u64) {
     }
 }
 
+/// Tasks in work at `now` (forgetting those solved by then).
+fn in_work_at(g: &mut Inner, now: u64) -> u32 {
+    while g.in_work.peek().is_some_and(|std::cmp::Reverse(t)| *t <= now) {
+        g.in_work.pop();
+    }
+    u32::try_from(g.in_work.len()).unwrap_or(u32::MAX)
+}
+
+/// Counts an accepted task, solved at `solved_at`, and the tasks in work with it.
+fn accepted(g: &mut Inner, now: u64, solved_at: u64) {
+    g.counts.tasks_accepted += 1;
+    g.accept_times.push_back(now);
+    g.minute_accepts.push_back(now);
+    trim(&mut g.minute_accepts, now, 60_000);
+    if solved_at > now {
+        g.in_work.push(std::cmp::Reverse(solved_at));
+    }
+    let in_work = in_work_at(g, now);
+    g.peak_in_work = g.peak_in_work.max(in_work);
+}
+
+/// Counts a NO_SLOT answer and applies its ban rules: 120 in a minute ban the account for 10
+/// minutes (`ERROR: 1001`); 30 or more in a minute reaching 3 × the captchas accepted in it ban
+/// it for 30 s (`ERROR: 1003`). The answer itself is still NO_SLOT; a ban starts the count afresh.
+fn no_slot(g: &mut Inner, now: u64) {
+    g.counts.no_slot += 1;
+    g.no_slot_times.push_back(now);
+    trim(&mut g.no_slot_times, now, 60_000);
+    g.max_no_slot_per_minute = g.max_no_slot_per_minute.max(g.no_slot_times.len() as u64);
+    g.no_slot_rule_times.push_back(now);
+    trim(&mut g.no_slot_rule_times, now, 60_000);
+    trim(&mut g.minute_accepts, now, 60_000);
+    if !g.config.enforce_bans {
+        return;
+    }
+    let (n, c) = (g.no_slot_rule_times.len() as u64, g.minute_accepts.len() as u64);
+    let ban = if n >= 120 {
+        Some((600_000, "ERROR: 1001"))
+    } else if n >= 30 && n >= 3 * c {
+        Some((30_000, "ERROR: 1003"))
+    } else {
+        None
+    };
+    if let Some((ms, code)) = ban {
+        impose(g, now, ms, code);
+        g.no_slot_rule_times.clear();
+    }
+}
+
 /// A fault's answer, if one is in force (slow answers sleep in real time, then go on).
 async fn apply_fault(shared: &Shared, endpoint: Endpoint) -> Option<Response> {
     let now = shared.now();
@@ -721,6 +824,12 @@ async fn in_php(
             let code = g.config.submit_errors.remove(0);
             return answer(json, false, code.into());
         }
+        if let Some(threads) = g.config.threads
+            && in_work_at(&mut g, now) >= threads
+        {
+            no_slot(&mut g, now);
+            return answer(json, false, "ERROR_NO_SLOT_AVAILABLE".into());
+        }
         g.next_id += 1;
         let id = g.next_id;
         let cfg = g.config.clone();
@@ -774,8 +883,7 @@ async fn in_php(
                 result,
             },
         );
-        g.counts.tasks_accepted += 1;
-        g.accept_times.push_back(now);
+        accepted(&mut g, now, solved_at);
         let after = if g.config.after_accept.is_empty() { None } else { Some(g.config.after_accept.remove(0)) };
         if after.is_some() {
             g.counts.accepted_then_failed += 1;
@@ -883,8 +991,17 @@ async fn res_php(
 }
 
 async fn stats(State(shared): State<Shared>) -> impl IntoResponse {
-    let g = shared.lock();
-    axum::Json(serde_json::json!({ "counts": g.counts, "config": g.config, "tasks": g.tasks.len() }))
+    let now = shared.now();
+    let mut g = shared.lock();
+    let in_work = in_work_at(&mut g, now);
+    axum::Json(serde_json::json!({
+        "counts": g.counts,
+        "config": g.config,
+        "tasks": g.tasks.len(),
+        "in_work": in_work,
+        "peak_in_work": g.peak_in_work,
+        "max_no_slot_per_minute": g.max_no_slot_per_minute,
+    }))
 }
 
 async fn set_config(State(shared): State<Shared>, axum::Json(cfg): axum::Json<FakeConfig>) -> impl IntoResponse {
@@ -996,6 +1113,193 @@ mod tests {
         clock.advance(Duration::from_secs(601));
         fake.ban_ip(Duration::from_secs(300));
         assert_eq!(get(fake.api_key(), "1").await?, "IP_BANNED");
+        Ok(())
+    }
+
+    /// A fake on a simulated clock, with the given thread plan and solve delay.
+    async fn fake_on_clock(threads: Option<u32>, solve_delay_ms: u64) -> anyhow::Result<(FakeCaptchaAi, ManualClock)> {
+        let clock = ManualClock::at(Timestamp::from_millis(1_796_210_146_000));
+        let config = FakeConfig { threads, solve_delay_ms, ..FakeConfig::default() };
+        let fake = FakeCaptchaAi::start_with_clock("127.0.0.1:0", config, Arc::new(clock.clone())).await?;
+        Ok((fake, clock))
+    }
+
+    /// Submits a Turnstile task and returns in.php's JSON `request` if accepted, or its code.
+    async fn turnstile(http: &reqwest::Client, fake: &FakeCaptchaAi) -> anyhow::Result<Result<String, String>> {
+        let r = submit(http, fake, "turnstile").await?;
+        let request = r["request"].as_str().unwrap_or_default().to_owned();
+        Ok(if r["status"] == 1 { Ok(request) } else { Err(request) })
+    }
+
+    async fn read(http: &reqwest::Client, fake: &FakeCaptchaAi, id: &str) -> anyhow::Result<String> {
+        let url = format!("{}/res.php?key={}&action=get&id={id}", fake.base_url(), fake.api_key());
+        Ok(http.get(url).send().await?.text().await?)
+    }
+
+    const NO_SLOT: &str = "ERROR_NO_SLOT_AVAILABLE";
+
+    #[tokio::test]
+    async fn a_thread_plan_refuses_submits_while_every_thread_is_in_work() -> anyhow::Result<()> {
+        let (fake, clock) = fake_on_clock(Some(2), 1_000).await?;
+        let http = reqwest::Client::new();
+        let first = turnstile(&http, &fake).await?.map_err(anyhow::Error::msg)?;
+        turnstile(&http, &fake).await?.map_err(anyhow::Error::msg)?;
+        assert_eq!(fake.in_work(), 2);
+        // The third concurrent submit: NO_SLOT, in JSON and in plain text; no task is made.
+        let r = submit(&http, &fake, "turnstile").await?;
+        assert_eq!(r, serde_json::json!({ "status": 0, "request": NO_SLOT }));
+        let plain = http
+            .post(format!("{}/in.php", fake.base_url()))
+            .form(&[
+                ("key", fake.api_key().as_str()),
+                ("method", "turnstile"),
+                ("sitekey", "s"),
+                ("pageurl", "https://a.example"),
+            ])
+            .send()
+            .await?
+            .text()
+            .await?;
+        assert_eq!(plain, NO_SLOT);
+        let c = fake.counts();
+        assert_eq!((c.in_php, c.tasks_accepted, c.no_slot), (4, 2, 2));
+        assert_eq!(fake.tasks().len(), 2);
+        assert_eq!(fake.ban_in_force(), None);
+        // Still in work a millisecond before the solve; free once solved.
+        clock.advance(Duration::from_millis(999));
+        assert_eq!(turnstile(&http, &fake).await?, Err(NO_SLOT.into()));
+        assert_eq!(read(&http, &fake, &first).await?, "CAPCHA_NOT_READY");
+        clock.advance(Duration::from_millis(1));
+        assert_eq!(fake.in_work(), 0);
+        assert!(read(&http, &fake, &first).await?.starts_with("OK|fake-token-"));
+        turnstile(&http, &fake).await?.map_err(anyhow::Error::msg)?;
+        assert_eq!((fake.in_work(), fake.peak_in_work()), (1, 2));
+        assert_eq!((fake.counts().tasks_accepted, fake.counts().no_slot, fake.max_no_slot_per_minute()), (3, 3, 3));
+        // `threads` through POST /_fake/config; the other knobs keep their defaults.
+        let ok = http
+            .post(format!("{}/_fake/config", fake.base_url()))
+            .json(&serde_json::json!({ "threads": 1, "solve_delay_ms": 1_000 }))
+            .send()
+            .await?
+            .text()
+            .await?;
+        assert_eq!(ok, "ok");
+        assert_eq!(turnstile(&http, &fake).await?, Err(NO_SLOT.into()));
+        let stats: serde_json::Value =
+            http.get(format!("{}/_fake/stats", fake.base_url())).send().await?.json().await?;
+        assert_eq!(stats["config"]["threads"], 1);
+        assert_eq!(stats["counts"]["no_slot"], 4);
+        assert_eq!((stats["in_work"].clone(), stats["peak_in_work"].clone()), (1.into(), 2.into()));
+        assert_eq!(stats["max_no_slot_per_minute"], 4);
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn without_a_thread_plan_every_submit_is_taken() -> anyhow::Result<()> {
+        let (fake, _clock) = fake_on_clock(None, 60_000).await?;
+        let http = reqwest::Client::new();
+        for _ in 0..50 {
+            turnstile(&http, &fake).await?.map_err(anyhow::Error::msg)?;
+        }
+        assert_eq!((fake.in_work(), fake.peak_in_work(), fake.counts().no_slot), (50, 50, 0));
+        // An old JSON config without `threads` still reads, as unlimited.
+        let old: FakeConfig = serde_json::from_str(r#"{ "solve_delay_ms": 10, "enforce_bans": true }"#)?;
+        assert_eq!(old.threads, None);
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn a_hundred_and_twenty_no_slots_in_a_minute_ban_the_account_with_1001() -> anyhow::Result<()> {
+        // One thread, a task solved every 0.9 s and two NO_SLOTs beside each: NO_SLOTs stay under
+        // 3 × the accepts (no 1003), and the 120th comes at 53.1 s.
+        let (fake, clock) = fake_on_clock(Some(1), 500).await?;
+        let http = reqwest::Client::new();
+        let mut last = String::new();
+        for step in 1..=60 {
+            last = turnstile(&http, &fake).await?.map_err(anyhow::Error::msg)?;
+            assert_eq!(turnstile(&http, &fake).await?, Err(NO_SLOT.into()));
+            assert_eq!(turnstile(&http, &fake).await?, Err(NO_SLOT.into()), "the 120th is still answered NO_SLOT");
+            if step < 60 {
+                assert_eq!(fake.ban_in_force(), None, "step {step}");
+                clock.advance(Duration::from_millis(900));
+            }
+        }
+        assert_eq!(fake.max_no_slot_per_minute(), 120);
+        let (until, code) = fake.ban_in_force().expect("banned");
+        assert_eq!(code, "ERROR: 1001");
+        assert_eq!(until, clock.now().plus(Duration::from_secs(600)));
+        // Both endpoints answer the ban while it is in force.
+        assert_eq!(turnstile(&http, &fake).await?, Err("ERROR: 1001".into()));
+        assert_eq!(read(&http, &fake, &last).await?, "ERROR: 1001");
+        clock.advance(Duration::from_secs(599));
+        assert_eq!(read(&http, &fake, &last).await?, "ERROR: 1001");
+        clock.advance(Duration::from_secs(1));
+        assert!(read(&http, &fake, &last).await?.starts_with("OK|"), "lifted after 10 minutes");
+        turnstile(&http, &fake).await?.map_err(anyhow::Error::msg)?;
+        let c = fake.counts();
+        assert_eq!((c.no_slot, c.tasks_accepted, c.bans, c.requests_during_ban), (120, 61, 1, 3));
+        assert_eq!(fake.peak_in_work(), 1);
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn no_slots_reaching_three_times_the_accepts_ban_the_account_with_1003() -> anyhow::Result<()> {
+        let (fake, clock) = fake_on_clock(Some(1), 3_600_000).await?;
+        let http = reqwest::Client::new();
+        let id = turnstile(&http, &fake).await?.map_err(anyhow::Error::msg)?;
+        // 3 NO_SLOTs to 1 accept already, but the rule waits for 30 in the minute.
+        for n in 1..30 {
+            assert_eq!(turnstile(&http, &fake).await?, Err(NO_SLOT.into()));
+            assert_eq!(fake.ban_in_force(), None, "after {n}");
+        }
+        assert_eq!(turnstile(&http, &fake).await?, Err(NO_SLOT.into()), "the 30th is still answered NO_SLOT");
+        let (until, code) = fake.ban_in_force().expect("banned");
+        assert_eq!((until, code.as_str()), (clock.now().plus(Duration::from_secs(30)), "ERROR: 1003"));
+        assert_eq!(turnstile(&http, &fake).await?, Err("ERROR: 1003".into()));
+        assert_eq!(read(&http, &fake, &id).await?, "ERROR: 1003");
+        // Lifted after 30 s, and the count starts afresh: the next NO_SLOT does not ban again.
+        clock.advance(Duration::from_secs(30));
+        assert_eq!(turnstile(&http, &fake).await?, Err(NO_SLOT.into()));
+        assert_eq!(fake.ban_in_force(), None);
+        assert_eq!(read(&http, &fake, &id).await?, "CAPCHA_NOT_READY");
+        let c = fake.counts();
+        assert_eq!((c.no_slot, c.tasks_accepted, c.bans, c.requests_during_ban), (31, 1, 1, 2));
+        assert_eq!(fake.max_no_slot_per_minute(), 31);
+        // With bans not enforced, NO_SLOTs are answered all the same and never ban.
+        fake.configure(|c| c.enforce_bans = false);
+        for _ in 0..40 {
+            assert_eq!(turnstile(&http, &fake).await?, Err(NO_SLOT.into()));
+        }
+        assert_eq!((fake.ban_in_force(), fake.max_no_slot_per_minute()), (None, 71));
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn max_no_slot_per_minute_is_the_busiest_sixty_seconds() -> anyhow::Result<()> {
+        let (fake, clock) = fake_on_clock(Some(1), 3_600_000).await?;
+        let http = reqwest::Client::new();
+        let burst = |n: usize| {
+            let (http, fake) = (&http, &fake);
+            async move {
+                for _ in 0..n {
+                    assert_eq!(turnstile(http, fake).await?, Err(NO_SLOT.into()));
+                }
+                anyhow::Ok(())
+            }
+        };
+        turnstile(&http, &fake).await?.map_err(anyhow::Error::msg)?;
+        burst(10).await?;
+        assert_eq!(fake.max_no_slot_per_minute(), 10);
+        clock.advance(Duration::from_secs(40));
+        burst(10).await?; // 20 in (−20 s, 40 s]
+        clock.advance(Duration::from_secs(30));
+        burst(5).await?; // 15 in (10 s, 70 s]
+        assert_eq!(fake.max_no_slot_per_minute(), 20);
+        clock.advance(Duration::from_secs(30));
+        burst(16).await?; // 21 in (40 s, 100 s]
+        assert_eq!(fake.max_no_slot_per_minute(), 21);
+        assert_eq!((fake.counts().no_slot, fake.peak_in_work(), fake.in_work()), (41, 1, 1));
+        assert_eq!(fake.ban_in_force(), None);
         Ok(())
     }
 

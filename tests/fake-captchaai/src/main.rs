@@ -1,5 +1,8 @@
 //! `fake-captchaai [--bind 127.0.0.1:8089]`: the fake CaptchaAI as a standalone server.
-//! Knobs: `POST /_fake/config` with a JSON `FakeConfig`; counters at `GET /_fake/stats`.
+//! Knobs: `POST /_fake/config` with a JSON `FakeConfig` (fields left out take their defaults;
+//! e.g. `{"threads": 5}` for a 5-thread plan answering `ERROR_NO_SLOT_AVAILABLE` when full);
+//! counters, tasks in work, their peak and the most NO_SLOT answers in a minute at
+//! `GET /_fake/stats`.
 
 use fake_captchaai::{FakeCaptchaAi, FakeConfig};
 
