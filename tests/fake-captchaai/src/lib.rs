@@ -279,8 +279,8 @@ struct Inner {
     /// NO_SLOT answers of the last minute (for the peak per minute).
     no_slot_times: VecDeque<u64>,
     max_no_slot_per_minute: u64,
-    /// NO_SLOT answers of the last minute since the last NO_SLOT ban (for 1001 and 1003).
-    no_slot_rule_times: VecDeque<u64>,
+    /// When the last NO_SLOT ban was imposed: the ban rules count only NO_SLOT answers after it.
+    no_slot_banned_at: u64,
     /// Accepts of the last minute (for 1003).
     minute_accepts: VecDeque<u64>,
 }
@@ -378,7 +378,7 @@ impl FakeCaptchaAi {
                 peak_in_work: 0,
                 no_slot_times: VecDeque::new(),
                 max_no_slot_per_minute: 0,
-                no_slot_rule_times: VecDeque::new(),
+                no_slot_banned_at: 0,
                 minute_accepts: VecDeque::new(),
             })),
             http: reqwest::Client::builder().timeout(Duration::from_secs(10)).build()?,
@@ -740,13 +740,12 @@ fn no_slot(g: &mut Inner, now: u64) {
     g.no_slot_times.push_back(now);
     trim(&mut g.no_slot_times, now, 60_000);
     g.max_no_slot_per_minute = g.max_no_slot_per_minute.max(g.no_slot_times.len() as u64);
-    g.no_slot_rule_times.push_back(now);
-    trim(&mut g.no_slot_rule_times, now, 60_000);
     trim(&mut g.minute_accepts, now, 60_000);
     if !g.config.enforce_bans {
         return;
     }
-    let (n, c) = (g.no_slot_rule_times.len() as u64, g.minute_accepts.len() as u64);
+    let after_ban = g.no_slot_times.iter().rev().take_while(|t| **t > g.no_slot_banned_at).count();
+    let (n, c) = (after_ban as u64, g.minute_accepts.len() as u64);
     let ban = if n >= 120 {
         Some((600_000, "ERROR: 1001"))
     } else if n >= 30 && n >= 3 * c {
@@ -756,7 +755,7 @@ fn no_slot(g: &mut Inner, now: u64) {
     };
     if let Some((ms, code)) = ban {
         impose(g, now, ms, code);
-        g.no_slot_rule_times.clear();
+        g.no_slot_banned_at = now;
     }
 }
 
@@ -1022,22 +1021,24 @@ mod tests {
         assert_eq!((0..1000u64).filter(|id| chance(7, *id, 1, 1.0)).count(), 1000);
     }
 
+    /// An in.php POST with the fake's key and these fields; the answer's body.
+    async fn in_php(http: &reqwest::Client, fake: &FakeCaptchaAi, fields: &[(&str, &str)]) -> anyhow::Result<String> {
+        let key = fake.api_key();
+        let mut form = vec![("key", key.as_str())];
+        form.extend_from_slice(fields);
+        Ok(http.post(format!("{}/in.php", fake.base_url())).form(&form).send().await?.text().await?)
+    }
+
     async fn submit(http: &reqwest::Client, fake: &FakeCaptchaAi, method: &str) -> anyhow::Result<serde_json::Value> {
-        Ok(http
-            .post(format!("{}/in.php", fake.base_url()))
-            .form(&[
-                ("key", fake.api_key().as_str()),
-                ("method", method),
-                ("googlekey", "g"),
-                ("sitekey", "s"),
-                ("pageurl", "https://a.example"),
-                ("body", "aGk="),
-                ("json", "1"),
-            ])
-            .send()
-            .await?
-            .json()
-            .await?)
+        let fields = [
+            ("method", method),
+            ("googlekey", "g"),
+            ("sitekey", "s"),
+            ("pageurl", "https://a.example"),
+            ("body", "aGk="),
+            ("json", "1"),
+        ];
+        Ok(serde_json::from_str(&in_php(http, fake, &fields).await?)?)
     }
 
     #[tokio::test]
@@ -1148,18 +1149,9 @@ mod tests {
         // The third concurrent submit: NO_SLOT, in JSON and in plain text; no task is made.
         let r = submit(&http, &fake, "turnstile").await?;
         assert_eq!(r, serde_json::json!({ "status": 0, "request": NO_SLOT }));
-        let plain = http
-            .post(format!("{}/in.php", fake.base_url()))
-            .form(&[
-                ("key", fake.api_key().as_str()),
-                ("method", "turnstile"),
-                ("sitekey", "s"),
-                ("pageurl", "https://a.example"),
-            ])
-            .send()
-            .await?
-            .text()
-            .await?;
+        let plain =
+            in_php(&http, &fake, &[("method", "turnstile"), ("sitekey", "s"), ("pageurl", "https://a.example")])
+                .await?;
         assert_eq!(plain, NO_SLOT);
         let c = fake.counts();
         assert_eq!((c.in_php, c.tasks_accepted, c.no_slot), (4, 2, 2));
@@ -1325,20 +1317,14 @@ mod tests {
         let fake =
             FakeCaptchaAi::start_with_clock("127.0.0.1:0", FakeConfig::captchaai_like(), Arc::new(clock.clone()))
                 .await?;
-        let r: serde_json::Value = reqwest::Client::new()
-            .post(format!("{}/in.php", fake.base_url()))
-            .form(&[
-                ("key", fake.api_key().as_str()),
-                ("method", "turnstile"),
-                ("sitekey", "s"),
-                ("pageurl", "https://a.example"),
-                ("pingback", cb.as_str()),
-                ("json", "1"),
-            ])
-            .send()
-            .await?
-            .json()
-            .await?;
+        let fields = [
+            ("method", "turnstile"),
+            ("sitekey", "s"),
+            ("pageurl", "https://a.example"),
+            ("pingback", cb.as_str()),
+            ("json", "1"),
+        ];
+        let r: serde_json::Value = serde_json::from_str(&in_php(&reqwest::Client::new(), &fake, &fields).await?)?;
         let id = r["request"].as_str().unwrap_or_default().to_owned();
         clock.run_until(clock.now().plus(Duration::from_secs(9))).await;
         assert!(got.lock().expect("lock").is_empty(), "Turnstile takes 10–15 s");
