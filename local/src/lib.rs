@@ -24,6 +24,8 @@ const MAX_REQUEST: usize = 1024 * 1024;
 pub struct Relay {
     pub api: relay_api::Deps,
     pub callback: relay_callback::Deps,
+    /// Notified when the API queues a task: wakes the submitter ([`Relay::submitter`]).
+    pub submit_wake: Arc<tokio::sync::Notify>,
 }
 
 /// What a relay on one machine is made of; everything else takes the Lambda defaults.
@@ -45,7 +47,9 @@ pub struct LocalParts {
 impl Relay {
     pub fn new(p: LocalParts) -> Self {
         let signer = relay_shared::signing::CallbackSigner::new(p.signing_secret);
+        let submit_wake = Arc::new(tokio::sync::Notify::new());
         Self {
+            submit_wake: submit_wake.clone(),
             api: relay_api::Deps {
                 store: p.store.clone(),
                 captchaai: p.captchaai,
@@ -54,10 +58,9 @@ impl Relay {
                 clock: p.clock.clone(),
                 callback_base_url: Some(p.callback_base_url),
                 callback_grace: relay_shared::config::CallbackGrace::default(),
-                submit_attempts: 3,
-                submit_backoff: std::time::Duration::from_millis(200),
                 dead_letters: p.dead_letters.clone(),
-                submits_per_second: relay_api::SUBMITS_PER_SECOND,
+                queue: relay_shared::submit::QueueSettings::default(),
+                waker: Arc::new(relay_shared::submit::NotifyWaker(submit_wake)),
                 // Local mode's API key is also a relay key for the 2captcha-compatible routes,
                 // beside any made with the operator command.
                 relay_keys: relay_shared::store::RelayKeys::new(Some(p.store.clone())).with_fixed("local", &p.api_key),
@@ -71,6 +74,25 @@ impl Relay {
                 dead_letters: p.dead_letters,
                 recent: relay_callback::RecentResults::default(),
             },
+        }
+    }
+}
+
+impl Relay {
+    /// The submitter of this relay: the API's CaptchaAI account, queue settings and grace; run
+    /// it with [`relay_submitter::serve_local`] and [`Relay::submit_wake`].
+    pub fn submitter(&self, owner: &str) -> relay_submitter::Deps {
+        relay_submitter::Deps {
+            store: self.api.store.clone(),
+            captchaai: self.api.captchaai.clone(),
+            dead_letters: self.api.dead_letters.clone(),
+            grace: self.api.callback_grace.clone(),
+            settings: relay_submitter::SubmitterSettings {
+                queue: self.api.queue.clone(),
+                ..relay_submitter::SubmitterSettings::default()
+            },
+            owner: owner.to_owned(),
+            waker: self.api.waker.clone(),
         }
     }
 }

@@ -447,6 +447,7 @@ pub async fn start(cfg: &LocalConfig, opts: Options) -> anyhow::Result<Running> 
     let (stop, stop_rx) = tokio::sync::watch::channel(false);
     let mut workers = tokio::task::JoinSet::new();
     let relay = Arc::new(relay);
+    let (submitter, submit_wake) = (relay.submitter("local-submitter"), relay.submit_wake.clone());
     let mut rx = stop_rx.clone();
     let plain_relay = relay.clone();
     workers.spawn(async move {
@@ -517,6 +518,12 @@ pub async fn start(cfg: &LocalConfig, opts: Options) -> anyhow::Result<Running> 
         // mid-way, its claims come back and the pushes go out again, under the same webhook-id).
         let report = deliverer.run(clock3, inbox_rx, DELIVERY_CATCH_UP, rx).await;
         tracing::debug!(?report, "local delivery worker stopped");
+    });
+    // The submitter: woken when the API queues a task (a burst above the plan, a "no slot"
+    // answer, a ban), and once a minute, as on AWS.
+    let (wake, rx, clock4) = (submit_wake, stop_rx.clone(), clock.clone());
+    workers.spawn(async move {
+        relay_submitter::serve_local(&submitter, clock4, wake, rx).await;
     });
     let (mut rx, q, st) = (stop_rx, queue.clone(), store.clone());
     let redrive_every = opts.redrive_every.unwrap_or(Duration::from_millis(500));

@@ -3,13 +3,14 @@
 use std::time::Duration;
 
 use secrecy::{ExposeSecret, SecretString};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::codes::{CodeClass, ErrorCode, classify};
 use crate::domain::{CaptchaId, CaptchaKind, ParseError, Solution};
 
-/// A captcha to solve, as the owner describes it in `POST /tasks`.
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+/// A captcha to solve, as the owner describes it in `POST /tasks`. Serialised as the same JSON
+/// when it waits in the submit queue.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
 pub enum SubmitRequest {
     RecaptchaV2 {
@@ -69,7 +70,7 @@ pub enum SubmitRequest {
 }
 
 /// Optional browser context for reCAPTCHA (`"browser": {...}` in the request).
-#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Browser {
     #[serde(default)]

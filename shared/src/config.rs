@@ -232,16 +232,10 @@ pub struct ApiConfig {
     pub callback_base_url: Option<String>,
     /// How long a callback gets before the poller asks res.php.
     pub callback_grace: CallbackGrace,
-    /// Tries of in.php on transient errors before answering 503.
-    pub submit_attempts: u32,
 }
 
 impl ApiConfig {
     pub fn from_settings(s: &Settings) -> Result<Self, ConfigError> {
-        let submit_attempts = s.parse_or("SUBMIT_ATTEMPTS", 3)?;
-        if !(1..=10).contains(&submit_attempts) {
-            return Err(ConfigError::Invalid { name: "SUBMIT_ATTEMPTS".into(), reason: "must be 1 to 10".into() });
-        }
         Ok(Self {
             store: StoreConfig::from_settings(s)?,
             captchaai: CaptchaAiConfig::from_settings(s)?,
@@ -249,7 +243,6 @@ impl ApiConfig {
             signing_secret: s.secret("CALLBACK_SIGNING_SECRET")?,
             callback_base_url: s.optional("CALLBACK_BASE_URL").map(|_| s.url("CALLBACK_BASE_URL")).transpose()?,
             callback_grace: CallbackGrace::from_settings(s)?,
-            submit_attempts,
         })
     }
 }
@@ -342,7 +335,6 @@ mod tests {
             ("RETENTION_DAYS", "0"),
             ("AUTH_MODE", "open"),
             ("CALLBACK_BASE_URL", "ftp://x"),
-            ("SUBMIT_ATTEMPTS", "0"),
         ] {
             let err = ApiConfig::from_settings(&full().with(name, value)).expect_err(name);
             assert!(matches!(&err, ConfigError::Invalid { name: n, .. } if n == name), "{name}: {err}");

@@ -354,6 +354,13 @@ pub struct Delivery {
 /// Where a task is in its life.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TaskState {
+    /// Accepted by the relay and waiting in its submit queue for a free CaptchaAI thread: nothing
+    /// was sent to CaptchaAI, nothing is paid. `lane` is the queue it waits in (its owner's, for
+    /// its class of captcha), oldest first.
+    Queued {
+        queued_at: Timestamp,
+        lane: String,
+    },
     /// Recorded, in.php not (yet) confirmed. `unknown`: in.php was called but its answer does
     /// not say whether it took the task (a timeout, a cut connection, a 5xx or HTML page): it
     /// may be solved — its pingback, which carries our reference, will say — and is never
@@ -399,6 +406,7 @@ pub struct LateResult {
 impl TaskState {
     pub fn name(&self) -> &'static str {
         match self {
+            Self::Queued { .. } => "queued",
             Self::Submitting { .. } => "submitting",
             Self::Pending { .. } => "pending",
             Self::Solved { .. } => "solved",
@@ -434,6 +442,9 @@ pub struct Task {
     pub webhook_owner: Option<String>,
     /// Where the push of its result stands (only a task with an owner callback has one).
     pub delivery: Option<DeliveryState>,
+    /// When the submit queue released it to in.php (a task that waited in the queue); its
+    /// deadlines count from then, not from its creation.
+    pub released_at: Option<Timestamp>,
 }
 
 /// Where the push of a task's result to its owner's callback stands.
@@ -539,6 +550,33 @@ impl Task {
             owner_callback: None,
             webhook_owner: None,
             delivery: None,
+            released_at: None,
+        }
+    }
+
+    /// A new task that waits in the submit queue (lane `lane`) for a free thread.
+    pub fn queued(task_ref: TaskRef, kind: CaptchaKind, now: Timestamp, lane: String) -> Self {
+        Self { state: TaskState::Queued { queued_at: now, lane }, ..Self::new(task_ref, kind, now) }
+    }
+
+    /// The queue released it to in.php: queued → submitting.
+    pub fn released(self, now: Timestamp) -> Result<Self, TransitionError> {
+        match self.state {
+            TaskState::Queued { .. } => {
+                Ok(Self { state: TaskState::Submitting { unknown: None }, released_at: Some(now), ..self })
+            }
+            ref other => Err(TransitionError::NotAllowed { from: other.name(), action: "release" }),
+        }
+    }
+
+    /// In.php refused it explicitly for now (no free thread, a ban): back to its place in the
+    /// queue. Only a task in.php never took (no id, no unknown outcome) goes back.
+    pub fn requeued(self, queued_at: Timestamp, lane: String) -> Result<Self, TransitionError> {
+        match self.state {
+            TaskState::Submitting { unknown: None } if self.captcha_id.is_none() => {
+                Ok(Self { state: TaskState::Queued { queued_at, lane }, released_at: None, ..self })
+            }
+            ref other => Err(TransitionError::NotAllowed { from: other.name(), action: "requeue" }),
         }
     }
 
@@ -560,7 +598,7 @@ impl Task {
         now: Timestamp,
     ) -> Result<Self, TransitionError> {
         match self.state {
-            TaskState::Submitting { .. } => {
+            TaskState::Queued { .. } | TaskState::Submitting { .. } => {
                 Ok(Self { state: TaskState::Failed { code, detail, resolved_at: now, via: Via::Submit }, ..self })
             }
             ref other => Err(TransitionError::NotAllowed { from: other.name(), action: "fail the submit" }),
@@ -575,7 +613,9 @@ impl Task {
             return Err(TransitionError::IdMismatch { expected: expected.clone(), got: d.captcha_id });
         }
         let takes_result = match &self.state {
-            TaskState::Submitting { .. } | TaskState::Pending { .. } => true,
+            // (A queued task was never sent, so no result should come; one that does proves
+            // CaptchaAI has it after all: paid for, so it counts.)
+            TaskState::Queued { .. } | TaskState::Submitting { .. } | TaskState::Pending { .. } => true,
             // A result proves in.php accepted the task after all: it was paid for, so it counts.
             TaskState::Failed { via: Via::Submit, .. } => true,
             // Received before the task was expired, stored after: still the task's result.
@@ -619,7 +659,7 @@ impl Task {
                 let state = TaskState::Expired { reason: reason.clone(), resolved_at: *resolved_at, late: Some(late) };
                 Ok(Applied::Late(Self { captcha_id: Some(d.captcha_id), state, ..self }))
             }
-            TaskState::Submitting { .. } | TaskState::Pending { .. } => {
+            TaskState::Queued { .. } | TaskState::Submitting { .. } | TaskState::Pending { .. } => {
                 Err(TransitionError::NotAllowed { from: self.state.name(), action: "classify a result" })
             }
         }
@@ -642,7 +682,7 @@ impl Task {
     /// No answer came before the deadline.
     pub fn expire(self, reason: String, now: Timestamp) -> Result<Self, TransitionError> {
         match self.state {
-            TaskState::Submitting { .. } | TaskState::Pending { .. } => {
+            TaskState::Queued { .. } | TaskState::Submitting { .. } | TaskState::Pending { .. } => {
                 Ok(Self { state: TaskState::Expired { reason, resolved_at: now, late: None }, ..self })
             }
             ref other => Err(TransitionError::NotAllowed { from: other.name(), action: "expire" }),
@@ -661,11 +701,12 @@ impl Task {
             }
     }
 
-    /// When in.php accepted the task, or when it was created if that is not known (yet).
+    /// When in.php accepted the task, or else when the submit queue released it to in.php, or
+    /// else when it was created: when its time at CaptchaAI can have started at the earliest.
     pub fn submitted_or_created_at(&self) -> Timestamp {
         match self.state {
             TaskState::Pending { submitted_at } => submitted_at,
-            _ => self.created_at,
+            _ => self.released_at.unwrap_or(self.created_at),
         }
     }
 
@@ -706,7 +747,9 @@ impl Task {
             }
         };
         match &self.state {
-            TaskState::Submitting { .. } | TaskState::Pending { .. } => (false, "CAPCHA_NOT_READY".into()),
+            TaskState::Queued { .. } | TaskState::Submitting { .. } | TaskState::Pending { .. } => {
+                (false, "CAPCHA_NOT_READY".into())
+            }
             TaskState::Solved { solution, token_clock_start, .. } => fresh_or_expired(solution, *token_clock_start),
             TaskState::Failed { code, .. } => (false, code.as_ref().to_owned()),
             TaskState::Expired { late, .. } => match late {
@@ -731,7 +774,7 @@ impl Task {
             h.update(b.as_bytes());
         };
         match &self.state {
-            TaskState::Submitting { .. } | TaskState::Pending { .. } => return None,
+            TaskState::Queued { .. } | TaskState::Submitting { .. } | TaskState::Pending { .. } => return None,
             TaskState::Solved { solution, .. } => {
                 part("solved");
                 part(solution.expose());
@@ -770,6 +813,7 @@ impl Task {
             expires_at: None,
             late_result: None,
             submit_outcome: None,
+            queue: None,
             callback_url: self.owner_callback.clone(),
             delivery: self.delivery.as_ref().map(|d| DeliveryView {
                 status: d.status,
@@ -786,6 +830,10 @@ impl Task {
             }),
         };
         match &self.state {
+            TaskState::Queued { queued_at, .. } => {
+                v.queue =
+                    Some(QueueView { queued_at: queued_at.to_rfc3339(), position: None, estimated_release_at: None });
+            }
             TaskState::Submitting { unknown: None } => {}
             TaskState::Submitting { unknown: Some(why) } => {
                 v.submit_outcome = Some("unknown");
@@ -893,12 +941,28 @@ pub struct TaskView {
     /// `unknown` while in.php's answer to the submit is not known (see `error_detail`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub submit_outcome: Option<&'static str>,
+    /// Where a queued task waits (status `queued`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub queue: Option<QueueView>,
     /// The owner's own callback URL, if the task was given one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub callback_url: Option<String>,
     /// Where the push to `callback_url` stands.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub delivery: Option<DeliveryView>,
+}
+
+/// A queued task's place, in `GET /tasks/{ref}`: nothing was sent to CaptchaAI yet.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct QueueView {
+    pub queued_at: String,
+    /// 1 for the next of its owner's tasks of its class to be released (the tasks of other
+    /// owners share the threads fairly with it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub position: Option<u64>,
+    /// When it should be released at the rate the queue is being released now.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub estimated_release_at: Option<String>,
 }
 
 /// The push of a result to the owner's callback, in `GET /tasks/{ref}`.

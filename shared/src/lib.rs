@@ -12,6 +12,7 @@ pub mod retry;
 pub mod secrets;
 pub mod signing;
 pub mod store;
+pub mod submit;
 pub mod telemetry;
 pub mod webhook;
 

@@ -31,9 +31,11 @@ pub const POLL_SHARDS: u8 = 4;
 
 pub mod deliveries;
 pub mod hosts;
+pub mod queue;
 pub mod relay_keys;
 pub use deliveries::{DELIVERY_INDEX, DeliveryFinish, DueDelivery};
 pub use hosts::{HostRecord, SlotWrite};
+pub use queue::{Permit, Publish, QUEUE_INDEX, QueuedRef, Released, Reserved, SubmitState};
 pub use relay_keys::{KeyCheck, KeyInfo, RelayKeys};
 
 mod attr {
@@ -64,6 +66,12 @@ mod attr {
     pub const HANDED_OUT_AT: &str = "handed_out_at";
     pub const OWNER_CALLBACK: &str = "owner_callback";
     pub const WEBHOOK_OWNER: &str = "webhook_owner";
+    // The submit queue (see `queue`).
+    pub const QUEUED_AT: &str = "queued_at";
+    pub const Q_LANE: &str = "q_lane";
+    pub const RELEASED_AT: &str = "released_at";
+    pub const SQ_KEY: &str = "sq_key";
+    pub const SQ_AT: &str = "sq_at";
     // The push of the result to the owner's callback (see `deliveries`).
     pub const DLV_SHARD: &str = "dlv_shard";
     pub const DLV_DUE: &str = "dlv_due";
@@ -86,6 +94,9 @@ const DELIVERY_DUE: &str =
     "dlv_due = :dnow, dlv_status = :dpending, dlv_attempts = :dzero, dlv_tfails = :dzero, dlv_sfails = :dzero";
 /// ... and what it clears: a parked push of an earlier result, a lease on it.
 const DELIVERY_CLEAR: &str = "dlv_parked_at, dlv_lease";
+/// What every write that ends a task's open life removes: its place in the due-for-poll index,
+/// in the submit queue's index (queued or in work), and what only in.php needed.
+const UNSENT_CLEAR: &str = "poll_due_at, poll_shard, lease_owner, sq_key, sq_at, sq_req, sq_pingback, submit_unknown";
 
 /// The values [`DELIVERY_DUE`] refers to.
 fn delivery_due(req: UpdateItemFluentBuilder, now: Timestamp) -> UpdateItemFluentBuilder {
@@ -225,7 +236,19 @@ pub enum Stop {
 
 impl Breaker {
     /// Its key: not a task reference (those start `tsk_`), never in the due-for-poll index.
+    /// The item also holds the submit queue's state (see [`queue::SubmitState`]).
     pub const KEY: &'static str = "breaker#captchaai";
+
+    fn from_item(item: &Item) -> Result<Self, StoreError> {
+        Ok(Breaker {
+            open_until: get_ts(item, "open_until")?,
+            reason: get_s(item, "reason")?.map(str::to_owned),
+            opened_at: get_ts(item, "opened_at")?,
+            needs_operator: matches!(item.get("needs_operator"), Some(AttributeValue::Bool(true))),
+            res_php_only: matches!(item.get("res_php_only"), Some(AttributeValue::Bool(true))),
+            batch_unsupported: get_ts(item, "batch_unsupported_at")?.is_some(),
+        })
+    }
 
     /// Until when res.php reads are stopped, if they are at `now`.
     pub fn open_at(&self, now: Timestamp) -> Option<Timestamp> {
@@ -341,6 +364,10 @@ impl TryFrom<&Item> for Task {
         let via =
             || -> Result<Via, StoreError> { Via::parse(req_s(item, RESOLVED_VIA)?).map_err(corrupt(RESOLVED_VIA)) };
         let state = match req_s(item, STATE)? {
+            "queued" => TaskState::Queued {
+                queued_at: get_ts(item, QUEUED_AT)?.unwrap_or(created_at),
+                lane: get_s(item, Q_LANE)?.unwrap_or_default().to_owned(),
+            },
             "submitting" => TaskState::Submitting { unknown: get_s(item, SUBMIT_UNKNOWN)?.map(str::to_owned) },
             "pending" => TaskState::Pending { submitted_at: req_ts(item, SUBMITTED_AT)? },
             "solved" => {
@@ -389,6 +416,7 @@ impl TryFrom<&Item> for Task {
             owner_callback,
             webhook_owner,
             delivery,
+            released_at: get_ts(item, RELEASED_AT)?,
         })
     }
 }
@@ -490,25 +518,49 @@ impl TaskStore {
     /// `fingerprint` (of the request it came with), the reference was derived from the key: if a
     /// task already has it, nothing is written and that task and its fingerprint come back —
     /// one conditional put, no read first.
+    /// The task is counted in work (see [`queue`]) until its kind's longest solve time has
+    /// passed: in.php may take it from this moment on.
     pub async fn create(
         &self,
         task: &Task,
         deadline: Timestamp,
         fingerprint: Option<&str>,
     ) -> Result<Created, StoreError> {
+        let in_work: Item = [
+            (attr::SQ_KEY, s(&queue::in_work_key(&task.task_ref))),
+            (attr::SQ_AT, n(task.created_at.plus(task.kind.max_solve_time()).as_millis())),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect();
+        self.put_new(task, Some(deadline), fingerprint, in_work).await
+    }
+
+    /// The one conditional put of a new task (submitting with a `deadline` for the poller, or
+    /// queued without one), with `extra` attributes.
+    async fn put_new(
+        &self,
+        task: &Task,
+        deadline: Option<Timestamp>,
+        fingerprint: Option<&str>,
+        extra: Item,
+    ) -> Result<Created, StoreError> {
         use attr::*;
         let mut item: Item = [
             (PK, s(task.task_ref.as_ref())),
             (KIND, s(task.kind.as_str())),
-            (STATE, s("submitting")),
+            (STATE, s(task.state.name())),
             (CREATED_AT, n(task.created_at.as_millis())),
-            (POLL_SHARD, n(u64::from(task.task_ref.shard(POLL_SHARDS)))),
-            (POLL_DUE_AT, n(deadline.as_millis())),
             (EXPIRES_TTL, self.ttl(task.created_at)),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_owned(), v))
         .collect();
+        if let Some(deadline) = deadline {
+            item.insert(POLL_SHARD.to_owned(), n(u64::from(task.task_ref.shard(POLL_SHARDS))));
+            item.insert(POLL_DUE_AT.to_owned(), n(deadline.as_millis()));
+        }
+        item.extend(extra);
         if let Some(fp) = fingerprint {
             item.insert(IDEM_FINGERPRINT.to_owned(), s(fp));
         }
@@ -610,7 +662,8 @@ impl TaskStore {
             .table_name(&self.table)
             .key(attr::PK, s(task_ref.as_ref()))
             .update_expression(
-                "SET #state = :pending, captcha_id = :id, submitted_at = :now, poll_due_at = :due REMOVE submit_unknown",
+                "SET #state = :pending, captcha_id = :id, submitted_at = :now, poll_due_at = :due \
+                 REMOVE submit_unknown, sq_req, sq_pingback",
             )
             .condition_expression("#state = :submitting")
             .expression_attribute_names("#state", attr::STATE)
@@ -649,7 +702,7 @@ impl TaskStore {
             .key(attr::PK, s(task_ref.as_ref()))
             .update_expression(
                 "SET #state = :failed, error_code = :code, error_detail = :detail, resolved_at = :now, \
-                 resolved_via = :via, expires_ttl = :ttl REMOVE poll_due_at, poll_shard",
+                 resolved_via = :via, expires_ttl = :ttl REMOVE poll_due_at, poll_shard, sq_key, sq_at, sq_req, sq_pingback",
             )
             .condition_expression("#state = :submitting")
             .expression_attribute_names("#state", attr::STATE)
@@ -694,10 +747,11 @@ impl TaskStore {
         let open = self
             .result_write(task_ref, d)
             .condition_expression(
-                "#state IN (:submitting, :pending) AND (attribute_not_exists(captcha_id) OR captcha_id = :id)",
+                "#state IN (:submitting, :pending, :queued) AND (attribute_not_exists(captcha_id) OR captcha_id = :id)",
             )
             .expression_attribute_values(":submitting", s("submitting"))
-            .expression_attribute_values(":pending", s("pending"));
+            .expression_attribute_values(":pending", s("pending"))
+            .expression_attribute_values(":queued", s("queued"));
         match open.send().await {
             Ok(out) => self.written(task_ref, out, d),
             Err(e) => match refused_item(&e) {
@@ -722,13 +776,14 @@ impl TaskStore {
             .result_write(task_ref, d)
             .condition_expression(
                 "attribute_exists(pk) AND (attribute_not_exists(captcha_id) OR captcha_id = :id) AND ( \
-                 #state IN (:submitting, :pending) \
+                 #state IN (:submitting, :pending, :queued) \
                  OR (#state = :failed AND resolved_via = :submit) \
                  OR (#state = :expired AND resolved_at >= :at) \
                  OR (#state IN (:solved, :failed) AND resolved_at > :at AND attribute_not_exists(handed_out_at)))",
             )
             .expression_attribute_values(":submitting", s("submitting"))
             .expression_attribute_values(":pending", s("pending"))
+            .expression_attribute_values(":queued", s("queued"))
             .expression_attribute_values(":failed", s("failed"))
             .expression_attribute_values(":solved", s("solved"))
             .expression_attribute_values(":expired", s("expired"))
@@ -781,7 +836,8 @@ impl TaskStore {
             .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld);
         req = delivery_due(req, d.received_at);
         const COMMON: &str = "captcha_id = :id, resolved_at = :at, resolved_via = :via, expires_ttl = :ttl";
-        const CLEAR: &str = "REMOVE poll_due_at, poll_shard, lease_owner, error_detail, submit_unknown";
+        const CLEAR: &str = "REMOVE poll_due_at, poll_shard, lease_owner, error_detail, submit_unknown, sq_key, sq_at, \
+                             sq_req, sq_pingback";
         match &d.outcome {
             Outcome::Solved(solution) => req
                 .update_expression(format!(
@@ -1007,7 +1063,7 @@ impl TaskStore {
             .key(attr::PK, s(task_ref.as_ref()))
             .update_expression(format!(
                 "SET #state = :expired, error_detail = :reason, resolved_at = :now, resolved_via = :via, \
-                 expires_ttl = :ttl, {DELIVERY_DUE} REMOVE poll_due_at, poll_shard, lease_owner, {DELIVERY_CLEAR}"
+                 expires_ttl = :ttl, {DELIVERY_DUE} REMOVE {UNSENT_CLEAR}, {DELIVERY_CLEAR}"
             ))
             .condition_expression("#state IN (:submitting, :pending) AND (poll_due_at <= :now OR lease_owner = :owner)")
             .expression_attribute_names("#state", attr::STATE)
@@ -1094,15 +1150,7 @@ impl TaskStore {
             .send()
             .await
             .map_err(sdk_error)?;
-        let Some(item) = out.item else { return Ok(Breaker::default()) };
-        Ok(Breaker {
-            open_until: get_ts(&item, "open_until")?,
-            reason: get_s(&item, "reason")?.map(str::to_owned),
-            opened_at: get_ts(&item, "opened_at")?,
-            needs_operator: matches!(item.get("needs_operator"), Some(AttributeValue::Bool(true))),
-            res_php_only: matches!(item.get("res_php_only"), Some(AttributeValue::Bool(true))),
-            batch_unsupported: get_ts(&item, "batch_unsupported_at")?.is_some(),
-        })
+        out.item.as_ref().map_or_else(|| Ok(Breaker::default()), Breaker::from_item)
     }
 
     /// Remembers that res.php does not take batch reads (`ids=`), for every poller from now on.
@@ -1226,13 +1274,16 @@ pub mod schema {
         ScalarAttributeType, TimeToLiveSpecification,
     };
 
-    use super::{Client, DELIVERY_INDEX, DUE_INDEX, StoreError, attr, sdk_error};
+    use super::{Client, DELIVERY_INDEX, DUE_INDEX, QUEUE_INDEX, StoreError, attr, sdk_error};
 
-    /// The table's sparse indexes: name, hash key, range key (both numbers), projection.
-    fn indexes() -> [(&'static str, &'static str, &'static str, ProjectionType); 2] {
+    /// The table's sparse indexes: name, hash key and its type, range key (a number),
+    /// projection.
+    fn indexes() -> [(&'static str, (&'static str, ScalarAttributeType), &'static str, ProjectionType); 3] {
+        use ScalarAttributeType::{N, S};
         [
-            (DUE_INDEX, attr::POLL_SHARD, attr::POLL_DUE_AT, ProjectionType::All),
-            (DELIVERY_INDEX, attr::DLV_SHARD, attr::DLV_DUE, ProjectionType::KeysOnly),
+            (DUE_INDEX, (attr::POLL_SHARD, N), attr::POLL_DUE_AT, ProjectionType::All),
+            (DELIVERY_INDEX, (attr::DLV_SHARD, N), attr::DLV_DUE, ProjectionType::KeysOnly),
+            (QUEUE_INDEX, (attr::SQ_KEY, S), attr::SQ_AT, ProjectionType::KeysOnly),
         ]
     }
 
@@ -1263,7 +1314,7 @@ pub mod schema {
             .filter_map(|i| i.index_name)
             .collect();
         let mut added = Vec::new();
-        for (index, hash, range, projection) in indexes() {
+        for (index, (hash, hash_type), range, projection) in indexes() {
             if have.iter().any(|h| h == index) {
                 continue;
             }
@@ -1277,7 +1328,7 @@ pub mod schema {
             client
                 .update_table()
                 .table_name(table)
-                .attribute_definitions(def(hash, ScalarAttributeType::N)?)
+                .attribute_definitions(def(hash, hash_type)?)
                 .attribute_definitions(def(range, ScalarAttributeType::N)?)
                 .global_secondary_index_updates(
                     aws_sdk_dynamodb::types::GlobalSecondaryIndexUpdate::builder().create(create).build(),
@@ -1306,7 +1357,7 @@ pub mod schema {
             .map_err(|e| StoreError::Rejected(e.to_string()))
     }
 
-    /// Creates the task table with its due-for-poll index and TTL.
+    /// Creates the task table with its indexes and TTL.
     pub async fn create_table(client: &Client, table: &str) -> Result<(), StoreError> {
         let mut req = client
             .create_table()
@@ -1314,9 +1365,9 @@ pub mod schema {
             .billing_mode(BillingMode::PayPerRequest)
             .attribute_definitions(def(attr::PK, ScalarAttributeType::S)?)
             .key_schema(key(attr::PK, KeyType::Hash)?);
-        for (index, hash, range, projection) in indexes() {
+        for (index, (hash, hash_type), range, projection) in indexes() {
             req = req
-                .attribute_definitions(def(hash, ScalarAttributeType::N)?)
+                .attribute_definitions(def(hash, hash_type)?)
                 .attribute_definitions(def(range, ScalarAttributeType::N)?)
                 .global_secondary_indexes(gsi(index, hash, range, projection)?);
         }

@@ -486,13 +486,22 @@ pub async fn in_php(req: &Request, deps: &Deps) -> Response<Body> {
         Some(k) => TaskRef::compat_from_digest(&Sha256::digest(format!("compat\0{k}").as_bytes())),
         None => TaskRef::generate_compat(),
     };
-    let webhook_owner = owner_callback.as_ref().map(|_| key_name);
-    let input = SubmitInput { submit, fingerprint, keyed: idem.is_some(), task_ref, owner_callback, webhook_owner };
+    let webhook_owner = owner_callback.as_ref().map(|_| key_name.clone());
+    let input = SubmitInput {
+        submit,
+        fingerprint,
+        keyed: idem.is_some(),
+        task_ref,
+        owner_callback,
+        webhook_owner,
+        owner: format!("key:{key_name}"),
+    };
     let outcome = submit_task(req, deps, input).await;
     metrics::counter!("compat_requests", "outcome" => "submit").increment(1);
     let id_of = |t: &Task| t.task_ref.compat_id().map(|i| i.to_string()).unwrap_or_default();
     match outcome {
-        Submitted::Accepted(task) => answer(&p, true, &id_of(&task), None),
+        // Queued or sent: either way the task is the relay's now, under its id.
+        Submitted::Accepted(task) | Submitted::Queued(task) => answer(&p, true, &id_of(&task), None),
         Submitted::Replayed { task, stored, fingerprint } => {
             if stored.as_deref() != Some(fingerprint.as_str()) {
                 return answer(
@@ -517,13 +526,14 @@ pub async fn in_php(req: &Request, deps: &Deps) -> Response<Body> {
                 "the relay stopped CaptchaAI traffic until {until} ({reason}); nothing was sent, try again then"
             )),
         ),
-        Submitted::RateLimited => answer(
+        Submitted::QueueFull { owner, depth, bound } => answer(
             &p,
             false,
             "ERROR_NO_SLOT_AVAILABLE",
-            Some(
-                "too many submits this second (CaptchaAI bans more than 60 in 3 s); nothing was sent, try again in a second",
-            ),
+            Some(&format!(
+                "{} submit queue holds {depth} tasks waiting for a CaptchaAI thread, its bound ({bound}); nothing was sent, try again when it has drained",
+                if owner { "this key's" } else { "the relay's" }
+            )),
         ),
         Submitted::Store(e) => store_trouble(&p, &e),
         Submitted::Misconfigured => answer_with(
@@ -548,11 +558,8 @@ pub async fn in_php(req: &Request, deps: &Deps) -> Response<Body> {
                 "CaptchaAI answered {code}; the relay stopped traffic until {until}. Nothing was accepted: trying again then is safe"
             )),
         ),
-        Submitted::Refused { code, message, .. } => answer(&p, false, &code, Some(&message)),
-        Submitted::Transient { code, message, .. } if protocol_code(&code) => answer(&p, false, &code, Some(&message)),
-        Submitted::Transient { message, .. } => {
-            unavailable(&p, "ERROR_INTERNAL_SERVER_ERROR", &message, Duration::from_secs(5))
-        }
+        Submitted::Refused { code, message, .. } if protocol_code(&code) => answer(&p, false, &code, Some(&message)),
+        Submitted::Refused { message, .. } => answer(&p, false, "ERROR_BAD_PARAMETERS", Some(&message)),
     }
 }
 

@@ -1,15 +1,20 @@
 //! The owner's API: `POST /tasks` submits a captcha, `GET /tasks/{ref}` reads it back.
 //!
-//! Every in.php call CaptchaAI accepts is money spent, so a submit:
+//! Every valid task is accepted (202): sent to in.php at once while CaptchaAI has a free thread
+//! for it, queued otherwise and released by the submitter as threads free (see
+//! [`relay_shared::submit`]). Every in.php call CaptchaAI accepts is money spent, so a submit:
 //! - is idempotent with an `Idempotency-Key` header: the key (with the caller) names the task's
 //!   reference, and creating the task is one conditional put — the same key and body return the
 //!   same task without a second in.php call, a different body is a 422;
+//! - goes inline only with a *permit* (one conditional write on the account's state item: the
+//!   breaker lets submits through, nobody is queued, and the submitter's window has room) and a
+//!   slot of the account-wide in.php pace; otherwise it is queued, within the queue's bounds;
 //! - records the task before in.php hears of it (so a pingback that outruns the answer finds it);
-//! - checks the account-wide breaker first, and opens it on a ban answer (never retried);
-//! - calls in.php again only after an explicit refusal that invites it (`ERROR_NO_SLOT_…`) or a
-//!   connection that never opened; any answer that does not prove a refusal — a timeout, a cut
-//!   connection, a 5xx, an HTML page — leaves the task `submitting` with "outcome unknown",
-//!   never retried by the relay and never called failed (its pingback will say);
+//! - sends it once: an explicit refusal for now (no free thread, a ban, a server error code)
+//!   puts it in the queue instead of a retry here; any answer that does not prove a refusal — a
+//!   timeout, a cut connection, a 5xx, an HTML page — leaves the task `submitting` with
+//!   "outcome unknown", never sent again by the relay and never called failed (its pingback will
+//!   say);
 //! - never loses CaptchaAI's id: storing it is retried, and if that keeps failing it goes to
 //!   the dead-letter queue for the redrive function to store.
 
@@ -23,12 +28,12 @@ use tracing::Instrument;
 use lambda_http::{Body, Request, Response};
 use relay_shared::captchaai::{CaptchaAiClient, CaptchaAiError, SubmitRequest};
 use relay_shared::codes::{CodeClass, ban};
-use relay_shared::deadletter::{DeadLetter, DeadLetterSink, SqsQueue};
-use relay_shared::domain::{CaptchaId, Task, TaskRef, TaskState, Via};
+use relay_shared::deadletter::{DeadLetterSink, SqsQueue};
+use relay_shared::domain::{Task, TaskRef, TaskState, Via};
 use relay_shared::http::{Authorizer, json, path_segments, problem, with_header};
-use relay_shared::retry::backoff_delay;
 use relay_shared::signing::CallbackSigner;
-use relay_shared::store::{Created, SubmitRecorded, TaskStore};
+use relay_shared::store::{Created, Permit, Reserved, TaskStore};
+use relay_shared::submit::{InPhp, QueueSettings, Recorder, Waker, lanes::lane_id};
 use relay_shared::time::{Clock, Timestamp};
 use relay_shared::webhook::UrlPolicy;
 use sha2::{Digest, Sha256};
@@ -52,14 +57,12 @@ pub struct Deps {
     pub callback_base_url: Option<String>,
     /// How long a callback gets before the poller asks res.php, per kind.
     pub callback_grace: relay_shared::config::CallbackGrace,
-    /// Tries of in.php after explicit refusals that invite another try.
-    pub submit_attempts: u32,
-    /// First backoff between tries (doubles, capped at 4 s).
-    pub submit_backoff: Duration,
     /// Where in.php's id goes when it cannot be stored.
     pub dead_letters: Arc<dyn DeadLetterSink>,
-    /// In.php submits allowed per second, account-wide (CaptchaAI bans more than 60 in 3 s).
-    pub submits_per_second: u32,
+    /// The submit queue's bounds and the in.php pace.
+    pub queue: QueueSettings,
+    /// Tells the submitter that tasks wait in the queue.
+    pub waker: Arc<dyn Waker>,
     /// The keys the 2captcha-compatible routes (`/in.php`, `/res.php`) take.
     pub relay_keys: relay_shared::store::RelayKeys,
     /// Per-instance state of those routes (balance cache, per-key read limits).
@@ -69,12 +72,7 @@ pub struct Deps {
     pub delivery_policy: UrlPolicy,
 }
 
-/// How many seconds a submit over the account-wide pace waits for a slot before it is refused.
-pub const PACE_WAIT_SECONDS: u32 = 3;
-
-/// The default of [`Deps::submits_per_second`]: 4 × 14 = 56 in any 3 s, under the 60 that earn
-/// `MAX_USER_TURN`.
-pub const SUBMITS_PER_SECOND: u32 = 14;
+pub use relay_shared::submit::SUBMITS_PER_SECOND;
 
 impl Deps {
     /// Reads the configuration and secrets (once, at cold start).
@@ -96,6 +94,7 @@ impl Deps {
         let store = TaskStore::from_config(&aws, &cfg.store);
         Ok(Self {
             relay_keys: relay_shared::store::RelayKeys::new(Some(store.clone())),
+            waker: Arc::new(relay_shared::submit::StoreWaker(store.clone())),
             compat: compat::CompatState::default(),
             delivery_policy: relay_shared::delivery::url_policy(&env)?,
             store,
@@ -110,10 +109,8 @@ impl Deps {
             clock: Arc::new(relay_shared::time::SystemClock),
             callback_base_url: cfg.callback_base_url,
             callback_grace: cfg.callback_grace,
-            submit_attempts: cfg.submit_attempts,
-            submit_backoff: Duration::from_millis(500),
             dead_letters: Arc::new(SqsQueue::new(aws_sdk_sqs::Client::new(&aws), env.url("DEAD_LETTER_QUEUE_URL")?)),
-            submits_per_second: env.parse_or("SUBMITS_PER_SECOND", SUBMITS_PER_SECOND)?.clamp(1, 15),
+            queue: QueueSettings::from_settings(&env)?,
         })
     }
 }
@@ -251,29 +248,34 @@ fn replay(task: &Task, stored: Option<&str>, fingerprint: &str, now: Timestamp) 
 async fn submit(req: &Request, deps: &Deps) -> Result<Response<Body>, Response<Body>> {
     let (submit, fingerprint, owner_callback) = parse_submit(req, deps.delivery_policy)?;
     let idem = idempotency_key(req)?;
+    let owner = deps.auth.owner(req);
     let task_ref = match &idem {
-        Some(key) => deps.signer.idempotent_ref(&deps.auth.owner(req), key),
+        Some(key) => deps.signer.idempotent_ref(&owner, key),
         None => TaskRef::generate(),
     };
     let webhook_owner = owner_callback.as_ref().map(|_| relay_shared::store::deliveries::DEFAULT_OWNER.to_owned());
-    let input = SubmitInput { submit, fingerprint, keyed: idem.is_some(), task_ref, owner_callback, webhook_owner };
+    let input =
+        SubmitInput { submit, fingerprint, keyed: idem.is_some(), task_ref, owner_callback, webhook_owner, owner };
     Ok(match submit_task(req, deps, input).await {
-        Submitted::Accepted(task) => json(202, &task.view(deps.clock.now())),
+        Submitted::Accepted(task) | Submitted::Queued(task) => json(202, &task.view(deps.clock.now())),
         Submitted::Replayed { task, stored, fingerprint } => {
             replay(&task, stored.as_deref(), &fingerprint, deps.clock.now())
         }
         Submitted::BreakerOpen { until, reason } => unavailable(
             "captchaai_unavailable",
             format!(
-                "CaptchaAI traffic is stopped until {until} ({reason}); nothing was recorded or sent, trying again then is safe"
+                "CaptchaAI traffic is stopped until {until} ({reason}: an operator must act); nothing was recorded or sent, trying again then is safe"
             ),
             until.since(deps.clock.now()),
             true,
         ),
-        Submitted::RateLimited => {
-            let body = serde_json::json!({ "error": { "code": "rate_limited", "retry_safe": true,
-                "message": "too many submits for the account-wide pace (CaptchaAI bans more than 60 in 3 s), even after waiting 3 s; nothing was sent, try again in a second" } });
-            with_header(json(429, &body), "retry-after", "1")
+        Submitted::QueueFull { owner, depth, bound } => {
+            let (which, setting) =
+                if owner { ("your", "QUEUE_MAX_PER_OWNER") } else { ("the relay's", "QUEUE_MAX_TOTAL") };
+            let body = serde_json::json!({ "error": { "code": "queue_full", "retry_safe": true,
+                "reason": if owner { "owner_queue_full" } else { "queue_full" },
+                "message": format!("{which} submit queue holds {depth} tasks waiting for a CaptchaAI thread, its bound ({setting} = {bound}); nothing was recorded or sent, try again when it has drained") } });
+            with_header(json(429, &body), "retry-after", "10")
         }
         Submitted::Store(e) => store_unavailable(&e),
         Submitted::Misconfigured => problem(500, "misconfigured", "the relay does not know its callback URL"),
@@ -290,14 +292,6 @@ async fn submit(req: &Request, deps: &Deps) -> Result<Response<Body>, Response<B
             422,
             &serde_json::json!({ "error": { "code": code, "message": message, "class": class.as_str(), "retry_safe": false }, "task_ref": task_ref }),
         ),
-        Submitted::Transient { code, message, task_ref } => {
-            let mut resp =
-                unavailable(&code, message, Duration::from_secs(relay_shared::codes::retry_after_secs(&code)), true);
-            if let Ok(v) = http::HeaderValue::from_str(task_ref.as_ref()) {
-                resp.headers_mut().insert("x-task-ref", v);
-            }
-            resp
-        }
     })
 }
 
@@ -312,160 +306,277 @@ pub(crate) struct SubmitInput {
     pub owner_callback: Option<String>,
     /// Whose webhook secret signs the pushes to `owner_callback`.
     pub webhook_owner: Option<String>,
+    /// Who submits (the IAM caller, the relay key's name): whose queue lane it waits in.
+    pub owner: String,
 }
 
 /// How a submit ended, for either front to answer in its own form.
 pub(crate) enum Submitted {
     /// CaptchaAI has it (or may have it: an unknown outcome); the task as it now stands.
     Accepted(Task),
+    /// In the submit queue: released to CaptchaAI as a thread frees.
+    Queued(Task),
     /// The idempotency key was used before: that task, and the fingerprint it came with.
     Replayed { task: Task, stored: Option<String>, fingerprint: String },
-    /// The account-wide breaker is open: nothing recorded or sent.
+    /// The breaker is open for a key or account problem an operator must fix: nothing recorded.
     BreakerOpen { until: Timestamp, reason: String },
-    /// No in.php slot left this second: nothing recorded or sent.
-    RateLimited,
+    /// The submit queue is at its bound (`owner`: its owner's lane): nothing recorded.
+    QueueFull { owner: bool, depth: u64, bound: u64 },
     /// The store failed before anything was sent.
     Store(relay_shared::store::StoreError),
     /// The relay does not know its callback URL.
     Misconfigured,
     /// A replayed task's result is being replaced by one received earlier: read again.
     ResultChanging,
-    /// In.php answered a ban: the breaker is open, nothing was accepted.
+    /// In.php rejected the account's key: the breaker is open, nothing was accepted.
     Banned { code: String, until: Timestamp, duration: Duration },
     /// An explicit, final refusal: the task is failed with the code.
     Refused { code: String, class: CodeClass, message: String, task_ref: TaskRef },
-    /// Refused for now (after the tries allowed): nothing was accepted, trying again is safe.
-    Transient { code: String, message: String, task_ref: TaskRef },
 }
 
-/// The submit itself: breaker, pacing, one conditional put, in.php (retried only after explicit
-/// refusals that invite it), then the id stored or dead-lettered.
+/// The submit itself: a permit (or the queue), the pace, one conditional put, in.php once, then
+/// the id stored or dead-lettered, or the task queued after an explicit refusal for now.
 pub(crate) async fn submit_task(req: &Request, deps: &Deps, input: SubmitInput) -> Submitted {
-    let SubmitInput { submit, fingerprint, keyed, task_ref, owner_callback, webhook_owner } = input;
+    let SubmitInput { submit, fingerprint, keyed, task_ref, owner_callback, webhook_owner, owner } = input;
     let kind = submit.kind();
     let now = deps.clock.now();
-    let task = Task { owner_callback, webhook_owner, ..Task::new(task_ref.clone(), kind, now) };
+    let lane = lane_id(&owner, kind);
     let span = tracing::info_span!("submit", task_ref = %task_ref, kind = %kind, idempotent = keyed);
     async move {
-        // The account-wide breaker: while CaptchaAI bans us, sending more only extends the ban.
-        match deps.store.breaker().await {
-            Ok(b) => {
-                if let Some(until) = b.open_for_submits_at(now) {
-                    metrics::counter!("submits", "outcome" => "breaker_open").increment(1);
-                    return Submitted::BreakerOpen { until, reason: b.reason.unwrap_or_default() };
-                }
-            }
-            Err(e) => return Submitted::Store(e),
-        }
-        // Paced account-wide, so a burst of submits never earns MAX_USER_TURN. A burst over the
-        // pace waits for the next seconds' slots (a client — an SDK above all — would only be
-        // told to come back), and is refused only after PACE_WAIT of waiting.
-        let mut waited = 0;
-        loop {
-            match deps.store.take_submit_slot(deps.clock.now(), deps.submits_per_second).await {
-                Ok(true) => break,
-                // (On a simulated clock the caller's own retry is the wait: real sleeps would
-                // not move it.)
-                Ok(false) if waited < PACE_WAIT_SECONDS && !deps.clock.is_simulated() => {
-                    waited += 1;
-                    let into_second = deps.clock.now().as_millis() % 1000;
-                    // To just past the next second, spread a little so waiters do not all arrive
-                    // at once.
-                    let spread = u64::from(task_ref.shard(16)) * 3;
-                    tokio::time::sleep(Duration::from_millis(1000 - into_second + spread)).await;
-                }
-                Ok(false) => {
-                    metrics::counter!("submits", "outcome" => "rate_limited").increment(1);
-                    return Submitted::RateLimited;
-                }
-                Err(e) => return Submitted::Store(e),
-            }
-        }
-        // Recorded before in.php hears of it. If in.php's answer is never stored, the poller
-        // expires the task at this deadline.
-        let grace = deps.callback_grace.for_kind(kind);
-        let deadline = now.plus(grace + kind.max_solve_time());
-        match deps.store.create(&task, deadline, keyed.then_some(fingerprint.as_str())).await {
-            Ok(Created::New) => {}
-            Ok(Created::Existing { task, fingerprint: stored }) => {
-                metrics::counter!("submits", "outcome" => "replayed").increment(1);
-                tracing::info!(event = "submit_replayed", state = task.state.name(), "idempotency key seen before");
-                let task = if stored.as_deref() == Some(fingerprint.as_str()) {
-                    match pin(task, deps).await {
-                        Ok(t) => t,
-                        Err(Pin::Store(e)) => return Submitted::Store(e),
-                        Err(Pin::Changing) => return Submitted::ResultChanging,
-                    }
-                } else {
-                    task
-                };
-                return Submitted::Replayed { task, stored, fingerprint };
-            }
-            Err(e) => return Submitted::Store(e),
-        }
         let Some(base) = callback_base(req, deps) else {
             tracing::error!(event = "config_error", "no CALLBACK_BASE_URL and no API domain in the request");
             return Submitted::Misconfigured;
         };
         let pingback = deps.signer.callback_url(&base, &task_ref);
-        let mut attempt = 1;
-        loop {
-            let err = match deps.captchaai.submit(&submit, &pingback).await {
-                Ok(id) => return Submitted::Accepted(accepted(deps, &task, &id, grace, attempt).await),
-                Err(e) => e,
-            };
-            if err.outcome_unknown() {
-                return Submitted::Accepted(outcome_unknown(deps, &task, &err).await);
-            }
-            if let CaptchaAiError::Code(code) = &err
-                && let Some(b) = ban(code.as_ref())
+        let fp = keyed.then_some(fingerprint.as_str());
+        let initial = deps.queue.window.threads.unwrap_or(deps.queue.window.initial);
+        // One write: a permit to send it now, or the state that says why not.
+        let no_permit = match deps.store.take_permit(now, initial).await {
+            Ok(Permit::Taken) => None,
+            Ok(Permit::Refused(state)) => Some(state),
+            Err(e) => return Submitted::Store(e),
+        };
+        if let Some(state) = no_permit {
+            if state.breaker.needs_operator
+                && let Some(until) = state.breaker.open_for_submits_at(now)
             {
-                // A ban is never retried in the request: that would extend it.
+                // A rejected key: queueing would only hold the work until it times out.
+                metrics::counter!("submits", "outcome" => "breaker_open").increment(1);
+                return Submitted::BreakerOpen { until, reason: state.breaker.reason.unwrap_or_default() };
+            }
+            let task = Task { owner_callback, webhook_owner, ..Task::queued(task_ref, kind, now, lane) };
+            return enqueue(deps, task, &submit, &pingback, fp, &fingerprint).await;
+        }
+        // Paced account-wide, so a burst of submits never earns MAX_USER_TURN; over the pace,
+        // the task waits in the queue instead.
+        match deps.store.take_submit_slot(now, deps.queue.submits_per_second).await {
+            Ok(true) => {}
+            Ok(false) => {
+                give_back_permit(deps).await;
+                let task = Task { owner_callback, webhook_owner, ..Task::queued(task_ref, kind, now, lane) };
+                return enqueue(deps, task, &submit, &pingback, fp, &fingerprint).await;
+            }
+            Err(e) => {
+                give_back_permit(deps).await;
+                return Submitted::Store(e);
+            }
+        }
+        let task = Task { owner_callback, webhook_owner, ..Task::new(task_ref.clone(), kind, now) };
+        // Recorded before in.php hears of it. If in.php's answer is never stored, the poller
+        // expires the task at this deadline.
+        let grace = deps.callback_grace.for_kind(kind);
+        let deadline = now.plus(grace + kind.max_solve_time());
+        match deps.store.create(&task, deadline, fp).await {
+            Ok(Created::New) => {}
+            Ok(Created::Existing { task, fingerprint: stored }) => {
+                give_back_permit(deps).await;
+                return replayed(deps, task, stored, fingerprint).await;
+            }
+            Err(e) => {
+                give_back_permit(deps).await;
+                return Submitted::Store(e);
+            }
+        }
+        let recorder = Recorder { store: &deps.store, dead_letters: deps.dead_letters.as_ref(), clock: deps.clock.as_ref() };
+        match InPhp::of(deps.captchaai.submit(&submit, &pingback).await) {
+            InPhp::Accepted(id) => Submitted::Accepted(recorder.accepted(&task, &id, grace).await),
+            InPhp::Unknown(err) => Submitted::Accepted(recorder.unknown(&task, &err).await),
+            InPhp::NoSlot(code) => {
+                tracing::info!(event = "submit_no_slot", code = %code, "no free CaptchaAI thread: queued");
+                metrics::counter!("submit_no_slot", "path" => "inline").increment(1);
+                queue_unsent(deps, task, &submit, &pingback, lane, true, keyed).await
+            }
+            InPhp::Banned(code, b) => {
+                // A ban is never retried here: that would extend it.
                 let at = deps.clock.now();
                 let until = at.plus(b.duration);
                 let stop = relay_shared::store::Stop::Ban { needs_operator: b.needs_operator };
-                if let Err(e) = deps.store.open_breaker(until, code.as_ref(), stop, at).await {
+                if let Err(e) = deps.store.open_breaker(until, &code, stop, at).await {
                     tracing::error!(event = "breaker_store_failed", error = %e);
                 }
                 metrics::counter!("breaker_opened", "reason" => if b.needs_operator { "key_rejected" } else { "ban" })
                     .increment(1);
                 tracing::warn!(event = "breaker_opened", code = %code, until = %until, "in.php answered a ban; CaptchaAI traffic stopped");
+                if b.needs_operator {
+                    let err = CaptchaAiError::Code(relay_shared::codes::ErrorCode::parse(&code).unwrap_or_else(|_| {
+                        relay_shared::codes::ErrorCode::parse("ERROR_WRONG_USER_KEY").expect("a valid code")
+                    }));
+                    refused(deps, &task_ref, &err, keyed).await;
+                    return Submitted::Banned { code, until, duration: b.duration };
+                }
+                // A ban ends by itself: the task waits in the queue for it.
+                queue_unsent(deps, task, &submit, &pingback, lane, false, keyed).await
+            }
+            InPhp::Transient(err) => {
+                tracing::warn!(event = "submit_transient", error = %err, "in.php refused for now: queued");
+                queue_unsent(deps, task, &submit, &pingback, lane, false, keyed).await
+            }
+            InPhp::Refused(err) => {
                 refused(deps, &task_ref, &err, keyed).await;
-                return Submitted::Banned { code: code.as_ref().to_owned(), until, duration: b.duration };
-            }
-            let retry = matches!(err, CaptchaAiError::Connect(_))
-                || matches!(err.class(), CodeClass::Transient | CodeClass::Unknown | CodeClass::NotReady);
-            if retry && attempt < deps.submit_attempts {
-                let delay = backoff_delay(attempt, deps.submit_backoff, Duration::from_secs(4));
-                tracing::warn!(event = "submit_retry", error = %err, attempt, delay_ms = delay.as_millis() as u64, "in.php refused for now");
-                tokio::time::sleep(delay).await;
-                attempt += 1;
-                continue;
-            }
-            // An explicit refusal (or a connection that never opened): nothing was accepted.
-            refused(deps, &task_ref, &err, keyed).await;
-            let code = err.code();
-            return if matches!(err.class(), CodeClass::Permanent | CodeClass::TerminalForTask) {
                 metrics::counter!("submits", "outcome" => "refused").increment(1);
-                Submitted::Refused { code, class: err.class(), message: format!("in.php refused the task: {err}"), task_ref }
-            } else {
-                metrics::counter!("submits", "outcome" => "transient").increment(1);
-                Submitted::Transient {
-                    code,
-                    message: format!("in.php refused the task {attempt} times ({err}); nothing was accepted, trying again is safe"),
+                Submitted::Refused {
+                    code: err.code(),
+                    class: err.class(),
+                    message: format!("in.php refused the task: {err}"),
                     task_ref,
                 }
-            };
+            }
         }
     }
     .instrument(span)
     .await
 }
 
+async fn give_back_permit(deps: &Deps) {
+    if let Err(e) = deps.store.give_back_permit().await {
+        // The submitter publishes the permits afresh within a second of running.
+        tracing::warn!(event = "store_failed", error = %e, "could not give back an unused permit");
+    }
+}
+
+/// A submit whose key was used before: that task (its result pinned if it shows one).
+async fn replayed(deps: &Deps, task: Task, stored: Option<String>, fingerprint: String) -> Submitted {
+    metrics::counter!("submits", "outcome" => "replayed").increment(1);
+    tracing::info!(event = "submit_replayed", state = task.state.name(), "idempotency key seen before");
+    let task = if stored.as_deref() == Some(fingerprint.as_str()) {
+        match pin(task, deps).await {
+            Ok(t) => t,
+            Err(Pin::Store(e)) => return Submitted::Store(e),
+            Err(Pin::Changing) => return Submitted::ResultChanging,
+        }
+    } else {
+        task
+    };
+    Submitted::Replayed { task, stored, fingerprint }
+}
+
+/// A new task into the submit queue: counted in (within the bounds), then put, then the
+/// submitter woken if none is running.
+async fn enqueue(
+    deps: &Deps,
+    task: Task,
+    submit: &SubmitRequest,
+    pingback: &str,
+    fp: Option<&str>,
+    fingerprint: &str,
+) -> Submitted {
+    let TaskState::Queued { lane, .. } = &task.state else { return Submitted::Misconfigured };
+    let lane = lane.clone();
+    let state = match deps.store.reserve_queue(&lane, deps.queue.max_per_owner, deps.queue.max_total, false).await {
+        Ok(Reserved::Yes(state)) => state,
+        Ok(Reserved::Full { owner, depth, bound }) => {
+            metrics::counter!("submits", "outcome" => "queue_full").increment(1);
+            tracing::warn!(event = "queue_full", owner, depth, bound, "submit queue at its bound; refused");
+            return Submitted::QueueFull { owner, depth, bound };
+        }
+        Err(e) => return Submitted::Store(e),
+    };
+    match deps.store.create_queued(&task, submit, pingback, fp).await {
+        Ok(Created::New) => {
+            metrics::counter!("submits", "outcome" => "queued").increment(1);
+            tracing::info!(event = "task_queued", lane = %lane, queued = state.queued, "queued for a free CaptchaAI thread");
+            if !state.releaser_live(deps.clock.now()) {
+                deps.waker.wake(deps.clock.now()).await;
+            }
+            Submitted::Queued(task)
+        }
+        Ok(Created::Existing { task, fingerprint: stored }) => {
+            uncount(deps, &lane).await;
+            replayed(deps, task, stored, fingerprint.to_owned()).await
+        }
+        Err(e) => {
+            uncount(deps, &lane).await;
+            Submitted::Store(e)
+        }
+    }
+}
+
+/// Takes back a reservation that was not used (a count left too high is reconciled by the
+/// submitter: never a task unseen).
+async fn uncount(deps: &Deps, lane: &str) {
+    if let Err(e) = deps.store.count_queued(lane, -1).await {
+        tracing::warn!(event = "store_failed", error = %e, "could not take back a queue reservation");
+    }
+}
+
+/// An inline submit in.php refused for now (no free thread, a ban, a server error code):
+/// nothing was accepted, so it goes to the queue (the owner hears 202) — unless the queue is at
+/// its bound, when the owner hears that instead, nothing accepted.
+async fn queue_unsent(
+    deps: &Deps,
+    task: Task,
+    submit: &SubmitRequest,
+    pingback: &str,
+    lane: String,
+    no_slot: bool,
+    keyed: bool,
+) -> Submitted {
+    let now = deps.clock.now();
+    let state = match deps.store.reserve_queue(&lane, deps.queue.max_per_owner, deps.queue.max_total, no_slot).await {
+        Ok(Reserved::Yes(state)) => state,
+        Ok(Reserved::Full { owner, depth, bound }) => {
+            let err = CaptchaAiError::Code(
+                relay_shared::codes::ErrorCode::parse("ERROR_NO_SLOT_AVAILABLE").expect("a valid code"),
+            );
+            refused(deps, &task.task_ref, &err, keyed).await;
+            metrics::counter!("submits", "outcome" => "queue_full").increment(1);
+            return Submitted::QueueFull { owner, depth, bound };
+        }
+        Err(e) => {
+            // Still `submitting` without an outcome: the poller expires it at its deadline, and
+            // nothing was paid. Say the store failed (a retry with the key is safe).
+            return Submitted::Store(e);
+        }
+    };
+    match deps.store.queue_unsent(&task.task_ref, &lane, now, submit, pingback).await {
+        Ok(true) => {
+            metrics::counter!("submits", "outcome" => "queued").increment(1);
+            if !state.releaser_live(now) {
+                deps.waker.wake(now).await;
+            }
+            Submitted::Queued(Task { state: TaskState::Queued { queued_at: now, lane }, ..task })
+        }
+        Ok(false) => {
+            // It left `submitting` meanwhile (its pingback cannot have come: in.php took
+            // nothing). Show what it is.
+            uncount(deps, &lane).await;
+            match deps.store.get(&task.task_ref).await {
+                Ok(Some(t)) => Submitted::Accepted(t),
+                Ok(None) => Submitted::Store(relay_shared::store::StoreError::Rejected("the task vanished".into())),
+                Err(e) => Submitted::Store(e),
+            }
+        }
+        Err(e) => {
+            uncount(deps, &lane).await;
+            Submitted::Store(e)
+        }
+    }
+}
+
 /// Stores an explicit refusal on the task (it failed at submit, nothing was accepted). A refusal
-/// that a later try may overcome (a ban, no free slot) under an idempotency key frees the key
-/// instead — the task is forgotten, nothing having been accepted — so the same request with the
-/// same key can be sent again, as its 503 says.
+/// that a later try may overcome (a rejected key an operator fixes, a full queue) under an
+/// idempotency key frees the key instead — the task is forgotten, nothing having been accepted —
+/// so the same request with the same key can be sent again, as its answer says.
 async fn refused(deps: &Deps, task_ref: &TaskRef, err: &CaptchaAiError, keyed: bool) {
     let final_refusal = matches!(err.class(), CodeClass::Permanent | CodeClass::TerminalForTask)
         && !matches!(err, CaptchaAiError::Code(c) if ban(c.as_ref()).is_some());
@@ -480,60 +591,6 @@ async fn refused(deps: &Deps, task_ref: &TaskRef, err: &CaptchaAiError, keyed: b
         // It stays `submitting` and expires at its deadline: still true, never wrong.
         tracing::error!(event = "store_failed", error = %e, "could not mark the refused submit");
     }
-}
-
-/// In.php accepted the task under `id`: store the id (retrying), or keep it on the dead-letter
-/// queue. Either way the owner hears 202: CaptchaAI has the task and its pingback finds it.
-async fn accepted(deps: &Deps, task: &Task, id: &CaptchaId, grace: Duration, attempts: u32) -> Task {
-    let at = deps.clock.now();
-    let due = at.plus(grace);
-    metrics::counter!("submits", "outcome" => "accepted").increment(1);
-    let mut last_err = None;
-    for attempt in 1..=3u32 {
-        match deps.store.mark_submitted(&task.task_ref, id, at, due).await {
-            Ok(SubmitRecorded::Pending(t) | SubmitRecorded::AlreadyResolved(t)) => {
-                tracing::info!(event = "task_submitted", captcha_id = %id, attempts, "in.php accepted the task");
-                return t;
-            }
-            Err(e) => {
-                tracing::warn!(event = "store_failed", error = %e, attempt, "storing in.php's id failed");
-                last_err = Some(e);
-                if attempt < 3 {
-                    tokio::time::sleep(backoff_delay(attempt, Duration::from_millis(100), Duration::from_secs(1)))
-                        .await;
-                }
-            }
-        }
-    }
-    let err = last_err.map(|e| e.to_string()).unwrap_or_default();
-    let letter = DeadLetter::submitted(&task.task_ref, id, at, due, &err);
-    match deps.dead_letters.send(&letter).await {
-        Ok(()) => {
-            tracing::warn!(event = "submitted_dead_lettered", captcha_id = %id, "in.php's id kept as a dead letter");
-            metrics::counter!("dead_lettered", "kind" => "submitted").increment(1);
-        }
-        Err(q) => {
-            // The last resort: the id is in this log line, the task's pingback still finds it
-            // by reference, and it expires at its deadline if none comes.
-            tracing::error!(event = "submitted_not_stored", captcha_id = %id, store_error = %err, queue_error = %q, "in.php's id could not be stored or queued");
-        }
-    }
-    task.clone()
-}
-
-/// In.php's answer does not say whether it took the task: keep it `submitting`, marked so.
-async fn outcome_unknown(deps: &Deps, task: &Task, err: &CaptchaAiError) -> Task {
-    let detail = format!(
-        "in.php's answer was lost ({err}): CaptchaAI may have the task. Its pingback will record it; if none comes it \
-         expires at its deadline. The relay does not submit it again; a client retry with the same Idempotency-Key is \
-         safe, a retry without one may pay twice"
-    );
-    tracing::warn!(event = "submit_unknown", error = %err, "in.php outcome unknown; not retried, not failed");
-    metrics::counter!("submits", "outcome" => "unknown").increment(1);
-    if let Err(e) = deps.store.mark_submit_unknown(&task.task_ref, &detail).await {
-        tracing::error!(event = "store_failed", error = %e, "could not mark the submit unknown");
-    }
-    Task { state: TaskState::Submitting { unknown: Some(detail) }, ..task.clone() }
 }
 
 /// The configured callback base, or this API's own URL as API Gateway reports it.
@@ -558,9 +615,54 @@ fn callback_base(req: &Request, deps: &Deps) -> Option<String> {
 async fn get_task(raw: &str, deps: &Deps) -> Result<Response<Body>, Response<Body>> {
     let task_ref = TaskRef::parse(raw).map_err(|e| problem(404, "unknown_task", format!("no such task: {e}")))?;
     match deps.store.get(&task_ref).await {
-        Ok(Some(task)) => Ok(json(200, &pinned(task, deps).await?.view(deps.clock.now()))),
+        Ok(Some(task)) => {
+            let now = deps.clock.now();
+            let task = pinned(task, deps).await?;
+            let mut view = task.view(now);
+            if let (TaskState::Queued { queued_at, lane }, Some(q)) = (&task.state, view.queue.as_mut()) {
+                place_in_queue(deps, lane, *queued_at, now, q).await;
+            }
+            Ok(json(200, &view))
+        }
         Ok(None) => Err(problem(404, "unknown_task", "no such task")),
         Err(e) => Err(store_unavailable(&e)),
+    }
+}
+
+/// Most tasks counted ahead of a queued one (a Query of the keys-only index; beyond this the
+/// position says "at least").
+const POSITION_CAP: i32 = 10_000;
+
+/// A queued task's position in its lane and when it should be released at the rate the queue
+/// is released now (its owner's lanes share the threads with every other owner waiting).
+async fn place_in_queue(
+    deps: &Deps,
+    lane: &str,
+    queued_at: Timestamp,
+    now: Timestamp,
+    q: &mut relay_shared::domain::QueueView,
+) {
+    let ahead = match deps.store.queue_ahead(lane, queued_at, POSITION_CAP).await {
+        Ok(n) => n,
+        Err(e) => {
+            // The task itself was read: show it without a position rather than fail the read.
+            tracing::warn!(event = "store_failed", error = %e, "could not count the queue");
+            return;
+        }
+    };
+    q.position = Some(ahead + 1);
+    if let Ok(state) = deps.store.submit_state().await
+        && state.released_per_minute > 0
+    {
+        let owners = state
+            .lanes
+            .keys()
+            .filter_map(|l| relay_shared::submit::lanes::parse_lane(l).map(|(o, _)| o))
+            .collect::<std::collections::BTreeSet<_>>()
+            .len()
+            .max(1) as u64;
+        let secs = (ahead + 1) * owners * 60 / state.released_per_minute;
+        q.estimated_release_at = Some(now.plus(Duration::from_secs(secs)).to_rfc3339());
     }
 }
 
@@ -647,10 +749,14 @@ mod tests {
             callback_base_url: Some("http://127.0.0.1:9".into()),
             callback_grace: relay_shared::config::CallbackGrace::uniform(Duration::from_secs(120))
                 .with(relay_shared::domain::CaptchaKind::Image, Duration::from_secs(30)),
-            submit_attempts: 3,
-            submit_backoff: Duration::from_millis(5),
             dead_letters: Arc::new(relay_shared::testkit::MemorySink::default()),
-            submits_per_second: SUBMITS_PER_SECOND,
+            // A plan the fake's unlimited threads never fill: submits go inline (the queue's
+            // own tests set a small one).
+            queue: QueueSettings {
+                window: relay_shared::submit::window::WindowSettings { threads: Some(10_000), ..Default::default() },
+                ..QueueSettings::default()
+            },
+            waker: Arc::new(relay_shared::submit::NotifyWaker::default()),
             relay_keys: relay_shared::store::RelayKeys::new(None)
                 .with_fixed("test", &SecretString::from(COMPAT_KEY.to_owned())),
             compat: compat::CompatState::default(),
@@ -812,42 +918,115 @@ mod tests {
         Ok(())
     }
 
-    #[tokio::test(flavor = "multi_thread")]
-    async fn transient_errors_are_retried_then_answered_503_with_retry_after() -> anyhow::Result<()> {
-        let w = world(FakeConfig { submit_errors: vec!["ERROR_NO_SLOT_AVAILABLE".into()], ..FakeConfig::default() })
-            .await?;
-        let resp = w.call(post(TURNSTILE)).await;
-        assert_eq!(resp.status(), 202, "one transient error, then success");
-        assert_eq!(w.fake.counts().in_php, 2);
+    fn get(task_ref: &str) -> ApiGatewayEvent {
+        ApiGatewayEvent::new("GET", &format!("/tasks/{task_ref}")).header("authorization", &format!("Bearer {KEY}"))
+    }
 
-        w.fake.configure(|c| c.submit_errors = vec!["ERROR_NO_SLOT_AVAILABLE".into(); 3]);
-        let resp = w.call(post(TURNSTILE)).await;
-        assert_eq!(resp.status(), 503);
-        assert_eq!(body(&resp)["error"]["retry_safe"], true, "nothing was accepted: {}", body(&resp));
-        assert_eq!(w.fake.counts().in_php, 5, "three tries of an explicit 'no slot'");
+    #[tokio::test(flavor = "multi_thread")]
+    async fn an_explicit_no_slot_queues_the_task_and_the_submits_after_it_wait_behind_it() -> anyhow::Result<()> {
+        for code in ["ERROR_NO_SLOT_AVAILABLE", "ERROR_ZERO_BALANCE", "ERROR_SERVER_ERROR"] {
+            let w = world(FakeConfig { submit_errors: vec![code.into()], ..FakeConfig::default() }).await?;
+            let resp = w.call(post(TURNSTILE)).await;
+            let first = body(&resp);
+            assert_eq!((resp.status().as_u16(), first["status"].as_str()), (202, Some("queued")), "{code}: {first}");
+            assert!(first.get("captcha_id").is_none() && first.get("error").is_none(), "{first}");
+            assert_eq!(w.fake.counts().in_php, 1, "{code}: one call, not a retry loop");
+            assert!(matches!(w.state_of(&resp).await, TaskState::Queued { .. }));
+            let st = w.deps.store.submit_state().await?;
+            let no_slot = u64::from(code != "ERROR_SERVER_ERROR");
+            assert_eq!((st.queued, st.api_no_slots), (1, no_slot), "{code}");
+            if no_slot == 1 {
+                assert_eq!(st.permits, Some(0), "no more inline submits until the submitter says so");
+            }
+            // The next submit waits behind it: queued, nothing sent.
+            w.clock.advance(Duration::from_secs(1));
+            let second = w.call(post(TURNSTILE)).await;
+            assert_eq!((second.status().as_u16(), body(&second)["status"].as_str()), (202, Some("queued")));
+            assert_eq!(w.fake.counts().in_php, 1, "{code}: the queue is not jumped");
+            let shown = body(&w.call(get(body(&second)["task_ref"].as_str().unwrap_or_default())).await);
+            assert_eq!(shown["status"], "queued");
+            assert_eq!(shown["queue"]["position"], 2, "second in its lane: {shown}");
+            assert_eq!(shown["queue"]["queued_at"], w.clock.now().to_rfc3339());
+        }
         Ok(())
     }
 
     #[tokio::test(flavor = "multi_thread")]
-    async fn a_ban_is_not_retried_it_opens_the_breaker_for_its_duration() -> anyhow::Result<()> {
+    async fn a_ban_is_not_retried_it_opens_the_breaker_and_the_task_waits_in_the_queue() -> anyhow::Result<()> {
         let w = world(FakeConfig { submit_errors: vec!["MAX_USER_TURN".into()], ..FakeConfig::default() }).await?;
         let resp = w.call(post(TURNSTILE)).await;
-        assert_eq!(resp.status(), 503);
-        assert_eq!(resp.headers().get("retry-after").and_then(|v| v.to_str().ok()), Some("10"), "the ban's length");
-        assert_eq!(
-            (body(&resp)["error"]["code"].as_str(), body(&resp)["error"]["retry_safe"].as_bool()),
-            (Some("MAX_USER_TURN"), Some(true))
-        );
+        assert_eq!((resp.status().as_u16(), body(&resp)["status"].as_str()), (202, Some("queued")), "{}", body(&resp));
         assert_eq!(w.fake.counts().in_php, 1, "a ban is never retried in the request");
         let b = w.deps.store.breaker().await?;
         assert_eq!(b.open_at(w.clock.now()), Some(w.clock.now().plus(Duration::from_secs(10))));
-        // While it is open, nothing reaches CaptchaAI.
+        // While it is open, nothing reaches CaptchaAI: submits wait in the queue.
         let blocked = w.call(post(TURNSTILE)).await;
-        assert_eq!(blocked.status(), 503);
-        assert_eq!(body(&blocked)["error"]["code"], "captchaai_unavailable");
+        assert_eq!((blocked.status().as_u16(), body(&blocked)["status"].as_str()), (202, Some("queued")));
         assert_eq!(w.fake.counts().in_php, 1);
-        w.clock.advance(Duration::from_secs(10));
-        assert_eq!(w.call(post(TURNSTILE)).await.status(), 202, "after the ban");
+        assert_eq!(w.deps.store.submit_state().await?.queued, 2);
+
+        // A rejected key is an operator's problem: answered at once, nothing queued.
+        let w =
+            world(FakeConfig { submit_errors: vec!["ERROR_WRONG_USER_KEY".into()], ..FakeConfig::default() }).await?;
+        let resp = w.call(post(TURNSTILE)).await;
+        assert_eq!(
+            (resp.status().as_u16(), body(&resp)["error"]["code"].as_str()),
+            (503, Some("ERROR_WRONG_USER_KEY"))
+        );
+        let blocked = w.call(post(TURNSTILE)).await;
+        assert_eq!(
+            (blocked.status().as_u16(), body(&blocked)["error"]["code"].as_str()),
+            (503, Some("captchaai_unavailable"))
+        );
+        assert!(body(&blocked)["error"]["message"].as_str().unwrap_or_default().contains("operator"));
+        assert_eq!((w.fake.counts().in_php, w.deps.store.submit_state().await?.queued), (1, 0));
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_burst_above_the_plan_is_accepted_and_the_queue_is_bounded_per_owner_and_in_all() -> anyhow::Result<()> {
+        let mut w = world(FakeConfig::default()).await?;
+        w.deps.queue = QueueSettings {
+            max_per_owner: 3,
+            max_total: 4,
+            window: relay_shared::submit::window::WindowSettings { threads: Some(1), ..Default::default() },
+            ..QueueSettings::default()
+        };
+        // A plan of one thread: the first goes at once, the next wait (nothing sent).
+        let sent = w.call(post(TURNSTILE)).await;
+        assert_eq!(body(&sent)["status"], "pending");
+        for _ in 0..3 {
+            let r = w.call(post(TURNSTILE)).await;
+            assert_eq!((r.status().as_u16(), body(&r)["status"].as_str()), (202, Some("queued")));
+        }
+        assert_eq!(w.fake.counts().in_php, 1);
+        // This owner's lane is at its bound: a clear, retry-safe refusal, nothing recorded.
+        let full = w.call(post(TURNSTILE)).await;
+        let b = body(&full);
+        assert_eq!((full.status().as_u16(), b["error"]["code"].as_str()), (429, Some("queue_full")), "{b}");
+        assert_eq!(
+            (b["error"]["reason"].as_str(), b["error"]["retry_safe"].as_bool()),
+            (Some("owner_queue_full"), Some(true))
+        );
+        assert!(b["error"]["message"].as_str().unwrap_or_default().contains("QUEUE_MAX_PER_OWNER"), "{b}");
+        assert!(full.headers().contains_key("retry-after"));
+        // Another owner (a relay key) still has room, until the queue is full in all.
+        let compat = |q: &str| {
+            ApiGatewayEvent::new("POST", "/in.php")
+                .header("content-type", "application/x-www-form-urlencoded")
+                .body(&format!("key={COMPAT_KEY}&method=turnstile&sitekey=s&pageurl=https://a.example/{q}"))
+        };
+        let ok = w.call(compat("a")).await;
+        assert!(String::from_utf8_lossy(ok.body().as_ref()).starts_with("OK|"));
+        let refused = w.call(compat("b")).await;
+        let text = String::from_utf8_lossy(refused.body().as_ref()).into_owned();
+        assert_eq!(
+            (refused.status().as_u16(), text.as_str()),
+            (200, "ERROR_NO_SLOT_AVAILABLE"),
+            "2captcha's 'try later'"
+        );
+        let st = w.deps.store.submit_state().await?;
+        assert_eq!((st.queued, st.lanes.len(), w.fake.counts().in_php), (4, 2, 1));
         Ok(())
     }
 

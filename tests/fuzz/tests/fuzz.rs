@@ -110,10 +110,17 @@ fn api() -> &'static ApiWorld {
                 clock: Arc::new(ManualClock::at(Timestamp::from_millis(1_796_210_146_000))),
                 callback_base_url: Some("http://127.0.0.1:9".into()),
                 callback_grace: Default::default(),
-                submit_attempts: 1,
-                submit_backoff: Duration::from_millis(1),
                 dead_letters: Arc::new(MemorySink::default()),
-                submits_per_second: 1_000_000,
+                // No pace and a plan no burst fills: every submit is sent inline.
+                queue: relay_shared::submit::QueueSettings {
+                    submits_per_second: 1_000_000,
+                    window: relay_shared::submit::window::WindowSettings {
+                        threads: Some(1_000_000),
+                        ..Default::default()
+                    },
+                    ..Default::default()
+                },
+                waker: Arc::new(relay_shared::submit::NotifyWaker::default()),
                 relay_keys: relay_shared::store::RelayKeys::new(None)
                     .with_fixed("fuzz", &SecretString::from(COMPAT_KEY.to_owned())),
                 compat: relay_api::compat::CompatState::default(),

@@ -42,6 +42,8 @@ pub struct Deployed {
     pub grace: CallbackGrace,
     pub poller_env: Settings,
     pub api_env: Settings,
+    /// The submit queue's settings (the API's and the submitter's).
+    pub queue: relay_shared::submit::QueueSettings,
 }
 
 fn scalar(v: &serde_yaml::Value) -> Option<String> {
@@ -96,6 +98,7 @@ impl Deployed {
             poller_timeout: Duration::from_secs(timeout),
             schedule_every: Duration::from_secs(60 * minutes),
             grace: CallbackGrace::from_settings(&api_env)?,
+            queue: relay_shared::submit::QueueSettings::from_settings(&api_env)?,
             poller_env,
             api_env,
         })
@@ -277,7 +280,38 @@ impl World {
             delivery_policy: relay_shared::webhook::UrlPolicy::AllowLoopback,
         });
         relay.api.callback_grace = deployed.grace.clone();
+        relay.api.queue = deployed.queue.clone();
+        let submitter = relay.submitter("sim-submitter");
+        let submit_wake = relay.submit_wake.clone();
         let (stop, stop_rx) = tokio::sync::watch::channel(false);
+        let running: Arc<Mutex<Vec<tokio::task::AbortHandle>>> = Arc::default();
+        // The submitter, as local mode runs it (woken when the API queues a task, and once a
+        // minute), while the relay "process" is up; killed with it.
+        {
+            let (clock, up, running, mut stop) = (dyn_clock.clone(), up.clone(), running.clone(), stop_rx.clone());
+            tokio::spawn(async move {
+                loop {
+                    if *stop.borrow() {
+                        return;
+                    }
+                    if up.load(std::sync::atomic::Ordering::SeqCst) {
+                        let (deps, clock, wake, stop) =
+                            (submitter.clone(), clock.clone(), submit_wake.clone(), stop.clone());
+                        let h = tokio::spawn(async move {
+                            relay_submitter::serve_local(&deps, clock, wake, stop).await;
+                        });
+                        if let Ok(mut r) = running.lock() {
+                            r.push(h.abort_handle());
+                        }
+                        let _ = h.await;
+                    }
+                    tokio::select! {
+                        _ = clock.sleep_until(clock.now().plus(Duration::from_secs(1))) => {}
+                        _ = stop.wait_for(|s| *s) => return,
+                    }
+                }
+            });
+        }
         let mut rx = stop_rx.clone();
         // The relay's routes, behind a kill switch: while the "process" is down, every
         // connection is cut without an answer, as a dead process's would be.
@@ -325,7 +359,7 @@ impl World {
             queue_fail,
             flaky,
             up,
-            running: Arc::default(),
+            running,
             invocations: Arc::default(),
             owned: Arc::default(),
             owners_started: Default::default(),

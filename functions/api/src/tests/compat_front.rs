@@ -340,11 +340,17 @@ async fn in_php_never_pays_twice_an_unknown_outcome_answers_the_id_and_a_ban_is_
     let r = w.call(keyed(&format!("{q}&action=other"))).await;
     assert_eq!(text(&r), "ERROR_BAD_PARAMETERS", "the same key with another request");
 
-    // A ban is passed on once and stops traffic: the next submit never reaches CaptchaAI.
+    // A ban stops traffic and is never retried in the request; the task waits in the queue (the
+    // client has its id and polls as usual), and so does the next one: nothing reaches CaptchaAI.
     w.fake.configure(|c| c.submit_errors = vec!["IP_BANNED".into()]);
-    assert_eq!(text(&w.call(form("/in.php", &q)).await), "IP_BANNED");
+    let banned = ok_id(&w.call(form("/in.php", &q)).await);
     assert_eq!(w.fake.counts().in_php, 3, "not retried in the request");
-    assert_eq!(text(&w.call(form("/in.php", &q)).await), "ERROR_NO_SLOT_AVAILABLE");
+    let next = ok_id(&w.call(form("/in.php", &q)).await);
     assert_eq!(w.fake.counts().in_php, 3, "the breaker holds it back");
+    for id in [&banned, &next] {
+        assert_eq!(text(&w.res(&format!("action=get&id={id}")).await), "CAPCHA_NOT_READY");
+        let t = w.deps.store.get(&TaskRef::from_compat_id(id)?).await?.expect("stored");
+        assert!(matches!(t.state, TaskState::Queued { .. }), "{:?}", t.state);
+    }
     Ok(())
 }

@@ -1,0 +1,775 @@
+//! The submitter: releases the submit queue to CaptchaAI's in.php as its threads free.
+//!
+//! CaptchaAI sells threads; a burst above the plan is the normal day. The API accepts every
+//! valid task: at once while a thread is free (a *permit* this function publishes), into the
+//! queue otherwise (see [`relay_shared::submit`] and [`relay_shared::store::queue`]). One run of
+//! this function — [`run`] — holds the queue's lease (one releaser at a time, whatever the
+//! number of invocations) and, until its period ends:
+//! - counts the tasks CaptchaAI may be working on (the index's in-work entries, plus its own
+//!   releases the index may not show yet) and sends the next queued task whenever that count is
+//!   below the learnt window ([`relay_shared::submit::window`]) and the account-wide in.php pace
+//!   has a slot;
+//! - picks the next task fairly: owners take turns, tokens before an owner's image backlog
+//!   ([`relay_shared::submit::lanes`]), oldest first in each lane;
+//! - sends each task at most once per release, marking it in work *before* in.php is called;
+//!   a "no slot" answer, a ban or a server error code puts it back at its place in the queue
+//!   (nothing was taken), an answer that proves nothing leaves it "outcome unknown" (never sent
+//!   again), a final refusal fails it;
+//! - fails a task that waited longer than `QUEUE_MAX_WAIT_SECS` (never sent, nothing paid);
+//! - publishes, with each renewal of its lease, how many inline submits the API may make.
+//!
+//! Triggers: a write to the wake item (the API writes it when it queues a task and no releaser
+//! runs; the table's stream invokes this function), and a schedule every minute (a backstop,
+//! and the next run when one ends with tasks left — it also wakes its successor itself). Local
+//! mode runs [`serve_local`], woken in-process. Every wait goes through a [`Clock`].
+
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use relay_shared::captchaai::{CaptchaAiClient, CaptchaAiError};
+use relay_shared::config::{CallbackGrace, ConfigError, Settings};
+use relay_shared::deadletter::{DeadLetterSink, SqsQueue};
+use relay_shared::domain::{CaptchaKind, TaskRef};
+use relay_shared::store::{Publish, QueuedRef, Released, SubmitState, TaskStore};
+use relay_shared::submit::lanes::{Fair, LaneClass, parse_lane};
+use relay_shared::submit::window::{Gate, Window, WindowState};
+use relay_shared::submit::{InPhp, QUEUE_TIMEOUT, QueueSettings, Recorder, Waker};
+use relay_shared::time::{Clock, Timestamp};
+use serde::Serialize;
+
+/// The submitter's knobs. Defaults are what the template deploys.
+#[derive(Debug, Clone)]
+pub struct SubmitterSettings {
+    pub queue: QueueSettings,
+    /// How often it looks at the threads in use while tasks wait.
+    pub tick: Duration,
+    /// How long its lease lasts unrenewed (a run that dies frees the queue this long after).
+    pub lease: Duration,
+    /// How long a run that released tasks goes on once the queue is empty (new tasks then go
+    /// inline with the permits it keeps publishing).
+    pub linger: Duration,
+    /// In.php calls in flight at once.
+    pub concurrency: usize,
+    /// A run releases within this period from its start (the schedule's).
+    pub period: Duration,
+    /// Kept back from the invocation's deadline.
+    pub safety_margin: Duration,
+    /// Longest wait for one in.php answer (the client's timeout).
+    pub submit_timeout: Duration,
+    /// A released task that answered, or whose in.php call is in flight, counts in work for at
+    /// least this long (the index may not list it yet).
+    pub index_lag: Duration,
+    /// Nothing is sent for this long after in.php refused for now (a server error code, a
+    /// connection that never opened).
+    pub transient_pause: Duration,
+}
+
+impl Default for SubmitterSettings {
+    fn default() -> Self {
+        Self {
+            queue: QueueSettings::default(),
+            tick: Duration::from_millis(200),
+            lease: Duration::from_secs(10),
+            linger: Duration::from_secs(10),
+            concurrency: 8,
+            period: Duration::from_secs(60),
+            safety_margin: Duration::from_secs(2),
+            submit_timeout: Duration::from_secs(15),
+            index_lag: Duration::from_secs(3),
+            transient_pause: Duration::from_secs(2),
+        }
+    }
+}
+
+impl SubmitterSettings {
+    pub fn from_settings(env: &Settings) -> Result<Self, ConfigError> {
+        let d = Self::default();
+        Ok(Self {
+            queue: QueueSettings::from_settings(env)?,
+            concurrency: env.parse_or("SUBMIT_CONCURRENCY", d.concurrency)?.clamp(1, 64),
+            period: Duration::from_secs(60 * env.parse_or("SUBMIT_SCHEDULE_MINUTES", 1u64)?.max(1)),
+            ..d
+        })
+    }
+}
+
+/// What the submitter needs, built once at cold start.
+#[derive(Debug, Clone)]
+pub struct Deps {
+    pub store: TaskStore,
+    pub captchaai: CaptchaAiClient,
+    pub dead_letters: Arc<dyn DeadLetterSink>,
+    pub grace: CallbackGrace,
+    pub settings: SubmitterSettings,
+    /// This instance's name on the lease.
+    pub owner: String,
+    /// Wakes the next run when this one ends with tasks left.
+    pub waker: Arc<dyn Waker>,
+}
+
+impl Deps {
+    /// Reads the configuration and secrets (once, at cold start).
+    pub async fn from_env() -> anyhow::Result<Self> {
+        use anyhow::Context;
+        use relay_shared::config::{CaptchaAiConfig, StoreConfig};
+        let env = Settings::from_env();
+        let store_cfg = StoreConfig::from_settings(&env)?;
+        let cai = CaptchaAiConfig::from_settings(&env)?;
+        let settings = SubmitterSettings::from_settings(&env)?;
+        let aws = relay_shared::aws_config().await;
+        let key = relay_shared::secrets::SecretLoader::new(&aws)
+            .load(&cai.api_key)
+            .await
+            .context("loading the CaptchaAI key")?;
+        let store = TaskStore::from_config(&aws, &store_cfg);
+        Ok(Self {
+            waker: Arc::new(relay_shared::submit::StoreWaker(store.clone())),
+            store,
+            captchaai: CaptchaAiClient::new(&cai.base_url, key, cai.timeout, cai.soft_id)?,
+            dead_letters: Arc::new(SqsQueue::new(aws_sdk_sqs::Client::new(&aws), env.url("DEAD_LETTER_QUEUE_URL")?)),
+            grace: CallbackGrace::from_settings(&env)?,
+            settings: SubmitterSettings { submit_timeout: cai.timeout, ..settings },
+            owner: format!("submitter-{}", uuid::Uuid::new_v4().simple()),
+        })
+    }
+}
+
+/// What one run did. Logged as one structured line.
+#[derive(Debug, Clone, Default, Serialize, PartialEq, Eq)]
+pub struct RunReport {
+    /// Another run holds the queue: this one did nothing.
+    pub lease_held_elsewhere: bool,
+    /// The lease was taken over mid-run (this run's renewals lapsed).
+    pub lease_lost: bool,
+    /// In.php calls made.
+    pub released: u64,
+    pub accepted: u64,
+    /// "No slot" answers (back to the queue).
+    pub no_slot: u64,
+    /// Answers that prove nothing (never sent again).
+    pub unknown: u64,
+    /// Back to the queue for a ban or a server error code.
+    pub requeued: u64,
+    /// Refused for good at release.
+    pub failed: u64,
+    /// Waited longer than `QUEUE_MAX_WAIT_SECS`: failed, never sent.
+    pub timed_out: u64,
+    pub bans: u64,
+    pub errors: u64,
+    /// Tasks queued, most seen at once.
+    pub max_queued: u64,
+    /// Tasks queued at the end.
+    pub queued_at_end: u64,
+    /// The longest any task seen at the head of its lane had waited.
+    pub oldest_queued_secs: u64,
+    pub max_in_flight: u32,
+    /// The window at the end.
+    pub window: u32,
+    /// Lane counts set right against the index.
+    pub reconciled: u64,
+    /// It ended with tasks queued and woke the next run.
+    pub handed_over: bool,
+}
+
+/// The Lambda entry point (a schedule, or a stream batch with the wake item: the payload says
+/// nothing the run needs).
+pub async fn handle(
+    event: lambda_runtime::LambdaEvent<serde_json::Value>,
+    deps: &Deps,
+    clock: Arc<dyn Clock>,
+) -> Result<RunReport, lambda_runtime::Error> {
+    let now = clock.now();
+    let left = relay_shared::time_left(event.context.deadline, now);
+    Ok(run(deps, clock, now.plus(left), None).await)
+}
+
+/// Local mode's submitter: a run whenever `wake` is notified (a task was queued) and once a
+/// minute (the schedule), until `stop`.
+pub async fn serve_local(
+    deps: &Deps,
+    clock: Arc<dyn Clock>,
+    wake: Arc<tokio::sync::Notify>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let _busy = clock.busy();
+    loop {
+        let deadline = clock.now().plus(deps.settings.period + Duration::from_secs(15));
+        tokio::select! {
+            report = run(deps, clock.clone(), deadline, Some(wake.clone())) => {
+                tracing::debug!(?report, "local submitter run");
+            }
+            _ = stop.wait_for(|s| *s) => return,
+        }
+        tokio::select! {
+            _ = wake.notified() => {}
+            _ = clock.sleep_until(clock.now().plus(deps.settings.period)) => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+    }
+}
+
+/// An in.php call that has answered.
+struct Sent {
+    released: Released,
+    /// Tasks in work when it was sent (not counting it).
+    in_flight: u32,
+    answer: Result<relay_shared::domain::CaptchaId, CaptchaAiError>,
+}
+
+/// A lane's view in this run.
+#[derive(Default)]
+struct Lane {
+    /// The next tasks, oldest first (read from the index).
+    heads: VecDeque<QueuedRef>,
+    /// The index listed nothing at this time, while the lane's count was this.
+    empty: Option<(Timestamp, u64)>,
+}
+
+/// The longest a task of `class` can be in CaptchaAI's hands: reCAPTCHA gives up after 300 s,
+/// the others after 90 s.
+fn longest_solve(class: LaneClass) -> Duration {
+    match class {
+        LaneClass::Token => CaptchaKind::RecaptchaV2.max_solve_time(),
+        LaneClass::Image => CaptchaKind::Image.max_solve_time(),
+    }
+}
+
+/// One run: holds the queue's lease and releases queued tasks as threads free, until its
+/// period ends (or, once the queue is empty, `linger` later; at once if it released nothing).
+/// `deadline` is the invocation's hard end: sends start only while their answer and its writes
+/// can finish before it. The caller holds the clock's busy guard for it (a simulated clock needs
+/// one).
+pub async fn run(
+    deps: &Deps,
+    clock: Arc<dyn Clock>,
+    deadline: Timestamp,
+    wake: Option<Arc<tokio::sync::Notify>>,
+) -> RunReport {
+    let s = &deps.settings;
+    let mut report = RunReport::default();
+    let start = clock.now();
+    let send_until =
+        start.plus(s.period).min(deadline.minus(s.safety_margin + s.submit_timeout + 2 * TaskStore::CALL_TIMEOUT));
+    let mut state = match deps.store.releaser_lease(&deps.owner, start, start.plus(s.lease), None).await {
+        Ok(Some(st)) => st,
+        Ok(None) => {
+            report.lease_held_elsewhere = true;
+            return report;
+        }
+        Err(e) => {
+            tracing::error!(event = "submitter_store_failed", error = %e, "could not take the queue's lease");
+            report.errors += 1;
+            return report;
+        }
+    };
+    let saved: Option<WindowState> = state.window.as_deref().and_then(|w| serde_json::from_str(w).ok());
+    let mut r = Run {
+        deps,
+        clock: clock.clone(),
+        window: Window::restore(s.queue.window.clone(), saved.as_ref()),
+        lanes: HashMap::new(),
+        fair: Fair::default(),
+        mine: HashMap::new(),
+        released_at: VecDeque::new(),
+        api_no_slots: state.api_no_slots,
+        pause_until: start,
+        pace_until: start,
+    };
+    r.reconcile_lost_lanes(&state, &mut report).await;
+    let mut calls: tokio::task::JoinSet<Sent> = tokio::task::JoinSet::new();
+    let mut idle_since: Option<Timestamp> = None;
+    let mut in_flight = 0;
+    loop {
+        let now = clock.now();
+        report.max_queued = report.max_queued.max(state.queued);
+        in_flight = r.in_flight(now, &mut report).await.unwrap_or(in_flight);
+        report.max_in_flight = report.max_in_flight.max(in_flight);
+        // "No slot" answers inline submits met since the last look: the plan is full.
+        if state.api_no_slots > r.api_no_slots {
+            r.window.no_slot(in_flight, now);
+            r.api_no_slots = state.api_no_slots;
+        }
+        let breaker = state.breaker.open_for_submits_at(now);
+        if breaker.is_none() && now < send_until {
+            r.release(&state, &mut in_flight, &mut calls, wake.is_some(), &mut report).await;
+        } else {
+            r.expire_heads(&state, now, &mut report).await;
+        }
+        // Wait for the next look: a tick, an answer, or (locally) a new task.
+        let next = match breaker {
+            Some(until) => until.min(now.plus(Duration::from_secs(5))),
+            None => now.plus(s.tick),
+        };
+        tokio::select! {
+            _ = clock.sleep_until(next) => {}
+            Some(done) = calls.join_next(), if !calls.is_empty() => r.answered(done, &mut report).await,
+            _ = async { match &wake { Some(w) => w.notified().await, None => std::future::pending().await } } => {}
+        }
+        while let Some(done) = calls.try_join_next() {
+            r.answered(done, &mut report).await;
+        }
+        let now = clock.now();
+        let publish = r.publish(in_flight, now);
+        match deps.store.releaser_lease(&deps.owner, now, now.plus(s.lease), Some(&publish)).await {
+            Ok(Some(st)) => state = st,
+            Ok(None) => {
+                // Another run took over (this one stalled past its lease): stop sending.
+                tracing::warn!(event = "submitter_lease_lost", "another submitter holds the queue");
+                report.lease_lost = true;
+                break;
+            }
+            Err(e) => {
+                tracing::error!(event = "submitter_store_failed", error = %e, "could not renew the queue's lease");
+                report.errors += 1;
+            }
+        }
+        if now >= send_until {
+            break;
+        }
+        let waiting = state.queued > 0 || !calls.is_empty();
+        if waiting {
+            idle_since = None;
+        } else {
+            let since = *idle_since.get_or_insert(now);
+            // Nothing released: nothing to linger for. Otherwise keep publishing permits a
+            // little longer, for the tasks that follow a burst.
+            if report.released == 0 || now.since(since) >= s.linger {
+                break;
+            }
+        }
+    }
+    // The answers still owed (each call ends within the in.php timeout).
+    while let Some(done) = calls.join_next().await {
+        r.answered(done, &mut report).await;
+    }
+    let now = clock.now();
+    let in_flight = r.in_flight(now, &mut report).await.unwrap_or(in_flight);
+    let publish = r.publish(in_flight, now);
+    report.window = r.window.limit(now);
+    if !report.lease_lost {
+        if let Err(e) = deps.store.releaser_leave(&deps.owner, &publish).await {
+            tracing::error!(event = "submitter_store_failed", error = %e, "could not leave the lease (it lapses)");
+            report.errors += 1;
+        }
+        // A task queued while this run was ending must not wait for the schedule.
+        match deps.store.submit_state().await {
+            Ok(st) => {
+                report.queued_at_end = st.queued;
+                if st.queued > 0 {
+                    report.handed_over = true;
+                    deps.waker.wake(now).await;
+                }
+            }
+            Err(e) => {
+                tracing::error!(event = "submitter_store_failed", error = %e);
+                report.errors += 1;
+            }
+        }
+    }
+    emit_metrics(&report);
+    tracing::info!(event = "submitter_run", report = %serde_json::to_string(&report).unwrap_or_default());
+    report
+}
+
+/// One run's working state.
+struct Run<'a> {
+    deps: &'a Deps,
+    clock: Arc<dyn Clock>,
+    window: Window,
+    lanes: HashMap<String, Lane>,
+    fair: Fair,
+    /// Tasks this run sent: since when (counted in work while their call is out, and for
+    /// `index_lag` after).
+    mine: HashMap<TaskRef, Timestamp>,
+    /// When each release of the last minute was made.
+    released_at: VecDeque<Timestamp>,
+    /// The count of inline "no slot" answers already taken into the window.
+    api_no_slots: u64,
+    /// No sends before this (a server error code).
+    pause_until: Timestamp,
+    /// The in.php pace's second was full: no sends before this.
+    pace_until: Timestamp,
+}
+
+impl Run<'_> {
+    /// Tasks CaptchaAI may be working on: the index's in-work entries and this run's own
+    /// recent sends. `None` if the index could not be read.
+    async fn in_flight(&mut self, now: Timestamp, report: &mut RunReport) -> Option<u32> {
+        let lag = self.deps.settings.index_lag;
+        self.mine.retain(|_, at| now.since(*at) < lag || *at > now);
+        match self.deps.store.in_work(now).await {
+            Ok(refs) => {
+                let mut all: BTreeSet<TaskRef> = refs.into_iter().collect();
+                all.extend(self.mine.keys().cloned());
+                Some(all.len() as u32)
+            }
+            Err(e) => {
+                tracing::error!(event = "submitter_store_failed", error = %e, "could not count the tasks in work");
+                report.errors += 1;
+                None
+            }
+        }
+    }
+
+    /// What the next renewal publishes: the inline permits (none while anything waits).
+    fn publish(&mut self, in_flight: u32, now: Timestamp) -> Publish {
+        let from = now.minus(Duration::from_secs(60));
+        while self.released_at.front().is_some_and(|t| *t <= from) {
+            self.released_at.pop_front();
+        }
+        let queued = self.lanes.values().any(|l| !l.heads.is_empty());
+        let permits = match self.window.gate(in_flight, now) {
+            Gate::Open(n) if !queued && now >= self.pause_until => n,
+            _ => 0,
+        };
+        Publish {
+            permits,
+            window: serde_json::to_string(&self.window.state()).unwrap_or_default(),
+            released_per_minute: self.released_at.len() as u64,
+        }
+    }
+
+    /// The lanes with tasks, as the counts say (less those the index just showed empty).
+    fn waiting(&self, state: &SubmitState, now: Timestamp) -> BTreeSet<String> {
+        state
+            .lanes
+            .iter()
+            .filter(|(lane, count)| {
+                parse_lane(lane).is_some()
+                    && match self.lanes.get(*lane) {
+                        Some(l) if !l.heads.is_empty() => true,
+                        Some(Lane { empty: Some((at, seen)), .. }) => {
+                            // Listed empty a moment ago at this count: look again in a second
+                            // (the index lags a put).
+                            **count > *seen || now.since(*at) >= Duration::from_secs(1)
+                        }
+                        _ => true,
+                    }
+            })
+            .map(|(lane, _)| lane.clone())
+            .collect()
+    }
+
+    /// The next task of `lane`, reading the index when its buffer is empty. A lane the index
+    /// keeps listing empty while its count says otherwise has its count set right.
+    async fn next_head(&mut self, lane: &str, state: &SubmitState, report: &mut RunReport) -> Option<QueuedRef> {
+        let now = self.clock.now();
+        let count = state.lanes.get(lane).copied().unwrap_or(0);
+        let entry = self.lanes.entry(lane.to_owned()).or_default();
+        if let Some(head) = entry.heads.pop_front() {
+            return Some(head);
+        }
+        match self.deps.store.queue_heads(lane, 25).await {
+            Ok(heads) if !heads.is_empty() => {
+                entry.heads = heads.into();
+                entry.empty = None;
+                entry.heads.pop_front()
+            }
+            Ok(_) => {
+                match entry.empty {
+                    // Empty for 10 s at the same count: the count is a crash's leftover.
+                    Some((since, seen)) if seen == count && now.since(since) >= Duration::from_secs(10) => {
+                        match self.deps.store.reconcile_lane(lane, count, 0).await {
+                            Ok(true) => {
+                                report.reconciled += 1;
+                                tracing::warn!(
+                                    event = "queue_count_reconciled",
+                                    lane,
+                                    count,
+                                    "a lane's count had no tasks behind it"
+                                );
+                            }
+                            Ok(false) => {}
+                            Err(e) => {
+                                report.errors += 1;
+                                tracing::error!(event = "submitter_store_failed", error = %e);
+                            }
+                        }
+                        entry.empty = Some((now, 0));
+                    }
+                    Some((since, seen)) if seen == count => entry.empty = Some((since, seen)),
+                    _ => entry.empty = Some((now, count)),
+                }
+                None
+            }
+            Err(e) => {
+                report.errors += 1;
+                tracing::error!(event = "submitter_store_failed", error = %e, "could not read the queue");
+                entry.empty = Some((now, count));
+                None
+            }
+        }
+    }
+
+    /// Lanes the index lists tasks in while their count says none (a count lost to a crash):
+    /// counted again, so their tasks are released. Once per run.
+    async fn reconcile_lost_lanes(&mut self, state: &SubmitState, report: &mut RunReport) {
+        let listed = match self.deps.store.queued_lanes().await {
+            Ok(l) => l,
+            Err(e) => {
+                report.errors += 1;
+                tracing::error!(event = "submitter_store_failed", error = %e, "could not scan the queue");
+                return;
+            }
+        };
+        for (lane, n) in listed {
+            if state.lanes.get(&lane).copied().unwrap_or(0) == 0 {
+                match self.deps.store.reconcile_lane(&lane, 0, n).await {
+                    Ok(true) => {
+                        report.reconciled += 1;
+                        tracing::warn!(event = "queue_count_reconciled", lane = %lane, n, "tasks queued in a lane counted empty");
+                    }
+                    Ok(false) => {}
+                    Err(e) => {
+                        report.errors += 1;
+                        tracing::error!(event = "submitter_store_failed", error = %e);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Fails the tasks at the heads of their lanes that waited too long (while nothing can be
+    /// sent: a ban, the end of the period).
+    async fn expire_heads(&mut self, state: &SubmitState, now: Timestamp, report: &mut RunReport) {
+        let lanes: Vec<String> = self.waiting(state, now).into_iter().collect();
+        for lane in lanes {
+            while let Some(head) = self.next_head(&lane, state, report).await {
+                if !self.timed_out(&lane, &head, now, report).await {
+                    self.lanes.entry(lane.clone()).or_default().heads.push_front(head);
+                    break;
+                }
+            }
+        }
+    }
+
+    /// Whether `head` waited too long (then it is failed, never sent).
+    async fn timed_out(&mut self, lane: &str, head: &QueuedRef, now: Timestamp, report: &mut RunReport) -> bool {
+        let waited = now.since(head.queued_at);
+        report.oldest_queued_secs = report.oldest_queued_secs.max(waited.as_secs());
+        let max = self.deps.settings.queue.max_wait;
+        if waited < max {
+            return false;
+        }
+        let detail = format!(
+            "waited {} s in the relay's submit queue for a free CaptchaAI thread, longer than QUEUE_MAX_WAIT_SECS ({} s); \
+             it was never sent to CaptchaAI and nothing was paid: submit it again",
+            waited.as_secs(),
+            max.as_secs()
+        );
+        match self.deps.store.fail_unsent(&head.task_ref, true, QUEUE_TIMEOUT, &detail, now).await {
+            Ok(Some(_)) => {
+                report.timed_out += 1;
+                metrics::counter!("submit_queue_timeouts").increment(1);
+                tracing::warn!(event = "queue_timeout", task_ref = %head.task_ref, waited_secs = waited.as_secs(), "queued too long; failed, never sent");
+                self.uncount(lane, report).await;
+            }
+            Ok(None) => {}
+            Err(e) => {
+                report.errors += 1;
+                tracing::error!(event = "submitter_store_failed", error = %e);
+            }
+        }
+        true
+    }
+
+    async fn uncount(&self, lane: &str, report: &mut RunReport) {
+        if let Err(e) = self.deps.store.count_queued(lane, -1).await {
+            report.errors += 1;
+            tracing::error!(event = "submitter_store_failed", error = %e, "could not count a task out of the queue");
+        }
+    }
+
+    /// Sends queued tasks while the window, the pace and the calls in flight allow.
+    async fn release(
+        &mut self,
+        state: &SubmitState,
+        in_flight: &mut u32,
+        calls: &mut tokio::task::JoinSet<Sent>,
+        local: bool,
+        report: &mut RunReport,
+    ) {
+        let s = &self.deps.settings;
+        let mut waiting = self.waiting(state, self.clock.now());
+        loop {
+            let now = self.clock.now();
+            if now < self.pause_until || now < self.pace_until || calls.len() >= s.concurrency {
+                break;
+            }
+            if !matches!(self.window.gate(*in_flight, now), Gate::Open(_)) {
+                break;
+            }
+            let Some(lane) = self.fair.next(&waiting) else { break };
+            let Some(head) = self.next_head(&lane, state, report).await else {
+                waiting.remove(&lane);
+                continue;
+            };
+            if self.timed_out(&lane, &head, now, report).await {
+                continue;
+            }
+            match self.deps.store.take_submit_slot(now, s.queue.submits_per_second).await {
+                Ok(true) => {}
+                Ok(false) => {
+                    self.lanes.entry(lane.clone()).or_default().heads.push_front(head);
+                    self.pace_until = Timestamp::from_millis((now.as_secs() + 1) * 1000);
+                    break;
+                }
+                Err(e) => {
+                    self.lanes.entry(lane.clone()).or_default().heads.push_front(head);
+                    report.errors += 1;
+                    tracing::error!(event = "submitter_store_failed", error = %e, "could not take an in.php slot");
+                    break;
+                }
+            }
+            let class = parse_lane(&lane).map_or(LaneClass::Token, |(_, c)| c);
+            let longest = longest_solve(class);
+            let grace = CaptchaKind::ALL
+                .into_iter()
+                .filter(|k| LaneClass::of(*k) == class)
+                .map(|k| self.deps.grace.for_kind(k))
+                .max()
+                .unwrap_or_default();
+            let released = match self
+                .deps
+                .store
+                .release(&head.task_ref, now, now.plus(longest), now.plus(grace + longest))
+                .await
+            {
+                Ok(Some(r)) => r,
+                Ok(None) => continue,
+                Err(e) => {
+                    report.errors += 1;
+                    tracing::error!(event = "submitter_store_failed", error = %e, "could not release a task");
+                    continue;
+                }
+            };
+            self.uncount(&lane, report).await;
+            self.mine.insert(released.task.task_ref.clone(), now);
+            self.released_at.push_back(now);
+            report.released += 1;
+            let sent_with = *in_flight;
+            *in_flight += 1;
+            report.max_in_flight = report.max_in_flight.max(*in_flight);
+            let (client, busy) = (self.deps.captchaai.clone(), self.clock.busy());
+            calls.spawn(async move {
+                let _busy = busy;
+                let answer = client.submit(&released.request, &released.pingback).await;
+                Sent { released, in_flight: sent_with, answer }
+            });
+            if local {
+                // Yield so a burst of sends does not starve the answers in one process.
+                tokio::task::yield_now().await;
+            }
+        }
+    }
+
+    /// Records what in.php answered to one release.
+    async fn answered(&mut self, done: Result<Sent, tokio::task::JoinError>, report: &mut RunReport) {
+        let Sent { released, in_flight, answer } = match done {
+            Ok(sent) => sent,
+            Err(e) => {
+                // A panicking call: its task stays submitting without an outcome; the poller
+                // expires it at its deadline (it may have been sent: never sent again).
+                report.errors += 1;
+                tracing::error!(event = "submit_call_panicked", error = %e);
+                return;
+            }
+        };
+        let now = self.clock.now();
+        let task = &released.task;
+        let recorder = Recorder {
+            store: &self.deps.store,
+            dead_letters: self.deps.dead_letters.as_ref(),
+            clock: self.clock.as_ref(),
+        };
+        match InPhp::of(answer) {
+            InPhp::Accepted(id) => {
+                report.accepted += 1;
+                self.window.accepted(in_flight, now);
+                self.mine.insert(task.task_ref.clone(), now);
+                recorder.accepted(task, &id, self.deps.grace.for_kind(task.kind)).await;
+            }
+            InPhp::Unknown(err) => {
+                report.unknown += 1;
+                recorder.unknown(task, &err).await;
+            }
+            InPhp::NoSlot(code) => {
+                report.no_slot += 1;
+                metrics::counter!("submit_no_slot", "path" => "release").increment(1);
+                tracing::info!(event = "submit_no_slot", code = %code, in_flight, "no free CaptchaAI thread: back to the queue");
+                self.window.no_slot(in_flight, now);
+                self.requeue(released, report).await;
+            }
+            InPhp::Banned(code, b) => {
+                report.bans += 1;
+                let until = now.plus(b.duration);
+                let stop = relay_shared::store::Stop::Ban { needs_operator: b.needs_operator };
+                if let Err(e) = self.deps.store.open_breaker(until, &code, stop, now).await {
+                    report.errors += 1;
+                    tracing::error!(event = "breaker_store_failed", error = %e);
+                }
+                metrics::counter!("breaker_opened", "reason" => if b.needs_operator { "key_rejected" } else { "ban" })
+                    .increment(1);
+                tracing::warn!(event = "breaker_opened", code = %code, until = %until, "in.php answered a ban; the queue waits");
+                self.requeue(released, report).await;
+            }
+            InPhp::Transient(err) => {
+                tracing::warn!(event = "submit_transient", error = %err, "in.php refused for now: back to the queue");
+                self.pause_until = now.plus(self.deps.settings.transient_pause);
+                self.requeue(released, report).await;
+            }
+            InPhp::Refused(err) => {
+                report.failed += 1;
+                self.mine.remove(&task.task_ref);
+                let detail = format!("in.php refused the task: {err}");
+                match self.deps.store.fail_unsent(&task.task_ref, false, &err.code(), &detail, now).await {
+                    Ok(_) => {
+                        metrics::counter!("submits", "outcome" => "refused").increment(1);
+                        tracing::warn!(event = "submit_refused", task_ref = %task.task_ref, error = %err, "in.php refused a queued task for good");
+                    }
+                    Err(e) => {
+                        // It stays submitting and expires at its deadline: still true.
+                        report.errors += 1;
+                        tracing::error!(event = "submitter_store_failed", error = %e);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Puts a task in.php took nothing of back at its place in the queue.
+    async fn requeue(&mut self, released: Released, report: &mut RunReport) {
+        let Released { task, lane, queued_at, .. } = released;
+        self.mine.remove(&task.task_ref);
+        if let Err(e) = self.deps.store.count_queued(&lane, 1).await {
+            report.errors += 1;
+            tracing::error!(event = "submitter_store_failed", error = %e, "could not count a task back in");
+        }
+        match self.deps.store.requeue(&task.task_ref, &lane, queued_at).await {
+            Ok(true) => {
+                report.requeued += 1;
+                self.lanes.entry(lane).or_default().heads.push_front(QueuedRef { task_ref: task.task_ref, queued_at });
+            }
+            Ok(false) => self.uncount(&lane, report).await,
+            Err(e) => {
+                // It stays submitting without an outcome: the poller expires it at its
+                // deadline; nothing was taken by in.php, so nothing is lost but the task.
+                report.errors += 1;
+                tracing::error!(event = "submitter_store_failed", error = %e, "could not put a task back in the queue");
+                self.uncount(&lane, report).await;
+            }
+        }
+    }
+}
+
+fn emit_metrics(r: &RunReport) {
+    metrics::gauge!("submit_queue_depth").set(r.max_queued as f64);
+    metrics::gauge!("submit_queue_oldest_seconds").set(r.oldest_queued_secs as f64);
+    metrics::gauge!("submit_window").set(f64::from(r.window));
+    metrics::gauge!("submit_in_flight").set(f64::from(r.max_in_flight));
+    metrics::counter!("submit_released").increment(r.released);
+    metrics::counter!("submit_requeued").increment(r.requeued);
+    metrics::counter!("submit_unknown").increment(r.unknown);
+    metrics::counter!("submitter_errors").increment(r.errors);
+}

@@ -1,0 +1,679 @@
+//! The submit queue, kept in the task table.
+//!
+//! A queued task is a task item in state `queued` that carries what in.php needs (the request,
+//! as JSON, and its signed pingback URL) and `sq_key = q#<lane>`, `sq_at = <queued at>`: it is
+//! listed, oldest first, in the sparse keys-only `submit-queue` index under its lane. The same
+//! index lists the tasks CaptchaAI may be working on — `sq_key = w#<shard>`, `sq_at = <when its
+//! thread is surely free again>` (release + the kind's longest solve time) — from the moment the
+//! relay starts sending it to the write that records its result. Counting those is how the
+//! submitter knows how many threads are in use; one index, so an existing stack adds it in one
+//! deploy.
+//!
+//! The account's state item (the breaker's, `breaker#captchaai`) also holds the queue's
+//! counters (`q_total`, `ql#<lane>` per lane: bounds and the lanes that wait), the permits the
+//! submitter publishes for inline submits, its lease, and its learnt window. Counters go up
+//! before a task enters the queue and down after it leaves, so a crash between the two leaves a
+//! count too high, never a task unseen; the submitter reconciles such counts against the index.
+
+use std::collections::BTreeMap;
+
+use aws_sdk_dynamodb::types::{AttributeValue, ReturnValue, ReturnValuesOnConditionCheckFailure, Select};
+
+use super::{
+    Breaker, Created, Item, StoreError, TaskStore, attr, condition_held, decode, get_s, get_ts, n, refused_item, s,
+    sdk_error,
+};
+use crate::captchaai::SubmitRequest;
+use crate::domain::{Task, TaskRef, TaskState};
+use crate::time::Timestamp;
+
+/// The sparse keys-only index of queued tasks (per lane) and tasks in work (per shard).
+pub const QUEUE_INDEX: &str = "submit-queue";
+/// Shards of the in-work part of the index.
+pub const IN_WORK_SHARDS: u8 = 4;
+/// The item whose every write wakes the submitter (through the table's stream).
+pub const WAKE_KEY: &str = "submitq#wake";
+
+/// The index key of a task waiting in `lane`.
+pub fn queued_key(lane: &str) -> String {
+    format!("q#{lane}")
+}
+
+/// The index key of a task in work.
+pub fn in_work_key(task_ref: &TaskRef) -> String {
+    format!("w#{}", task_ref.shard(IN_WORK_SHARDS))
+}
+
+fn lane_attr(lane: &str) -> String {
+    format!("ql#{lane}")
+}
+
+/// The queue's part of the account's state item.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SubmitState {
+    pub breaker: Breaker,
+    /// Tasks queued in all (a count, see the module docs).
+    pub queued: u64,
+    /// Tasks queued per lane (lanes counted above zero).
+    pub lanes: BTreeMap<String, u64>,
+    /// Inline submits the submitter allows now (`None`: none published yet).
+    pub permits: Option<i64>,
+    /// The submitter holding the lease, and until when.
+    pub releaser: Option<String>,
+    pub releaser_until: Option<Timestamp>,
+    /// The learnt window (JSON of `crate::submit::window::WindowState`).
+    pub window: Option<String>,
+    /// "No slot" answers inline submits met (a running count).
+    pub api_no_slots: u64,
+    /// Tasks released in the last minute, as the submitter last published it.
+    pub released_per_minute: u64,
+}
+
+impl SubmitState {
+    /// Whether a submitter holds a live lease at `now`.
+    pub fn releaser_live(&self, now: Timestamp) -> bool {
+        self.releaser_until.is_some_and(|u| u > now)
+    }
+
+    pub(super) fn from_item(item: &Item) -> Result<Self, StoreError> {
+        let num = |name: &str| -> Result<i64, StoreError> {
+            match item.get(name) {
+                None => Ok(0),
+                Some(AttributeValue::N(v)) => {
+                    v.parse().map_err(|_| StoreError::Corrupt(format!("`{name}` is not a whole number")))
+                }
+                Some(_) => Err(StoreError::Corrupt(format!("`{name}` is not a number"))),
+            }
+        };
+        let mut lanes = BTreeMap::new();
+        for (k, v) in item {
+            if let (Some(lane), AttributeValue::N(count)) = (k.strip_prefix("ql#"), v) {
+                let c: i64 = count.parse().unwrap_or(0);
+                if c > 0 {
+                    lanes.insert(lane.to_owned(), c as u64);
+                }
+            }
+        }
+        Ok(Self {
+            breaker: Breaker::from_item(item)?,
+            queued: num("q_total")?.max(0) as u64,
+            lanes,
+            permits: item.contains_key("permits").then(|| num("permits")).transpose()?,
+            releaser: get_s(item, "rel_owner")?.map(str::to_owned),
+            releaser_until: get_ts(item, "rel_until")?,
+            window: get_s(item, "win")?.map(str::to_owned),
+            api_no_slots: num("ns_api")?.max(0) as u64,
+            released_per_minute: num("rel_rate")?.max(0) as u64,
+        })
+    }
+}
+
+/// What an inline submit's permit write found.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Permit {
+    /// Taken: send it now.
+    Taken,
+    /// Not taken (the queue is not empty, no permit is left, or the breaker is open); the
+    /// state as it stands.
+    Refused(SubmitState),
+}
+
+/// What a queue reservation found.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Reserved {
+    /// Counted in: put the task in the queue. The state after the reservation.
+    Yes(SubmitState),
+    /// The queue is full: `owner` (its owner's lane is at its bound) or in all.
+    Full { owner: bool, depth: u64, bound: u64 },
+}
+
+/// A queued task as its lane lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QueuedRef {
+    pub task_ref: TaskRef,
+    pub queued_at: Timestamp,
+}
+
+/// A task the submitter took from the queue: what it needs to send it.
+#[derive(Debug, Clone)]
+pub struct Released {
+    pub task: Task,
+    pub request: SubmitRequest,
+    pub pingback: String,
+    pub lane: String,
+    pub queued_at: Timestamp,
+}
+
+/// What the submitter publishes with each renewal of its lease.
+#[derive(Debug, Clone, Default)]
+pub struct Publish {
+    pub permits: u32,
+    pub window: String,
+    pub released_per_minute: u64,
+}
+
+/// The condition that the breaker lets submits through at `:now` (a ban stops them; a pause
+/// for res.php answers does not).
+const BREAKER_LETS_SUBMITS: &str = "(attribute_not_exists(open_until) OR open_until <= :now OR res_php_only = :t)";
+
+impl TaskStore {
+    /// The account's state item: the breaker and the queue (strongly consistent).
+    pub async fn submit_state(&self) -> Result<SubmitState, StoreError> {
+        let out = self
+            .client
+            .get_item()
+            .table_name(&self.table)
+            .key(attr::PK, s(Breaker::KEY))
+            .consistent_read(true)
+            .send()
+            .await
+            .map_err(sdk_error)?;
+        out.item.as_ref().map_or_else(|| Ok(SubmitState::default()), SubmitState::from_item)
+    }
+
+    /// An inline submit's one write: takes a permit if the breaker lets submits through, the
+    /// queue is empty and a permit is left. Otherwise the state comes back (no second read).
+    /// Before any submitter has published permits, there are `initial` (the window's starting
+    /// size: a burst on a fresh deployment sends that many at once, and queues the rest).
+    pub async fn take_permit(&self, now: Timestamp, initial: u32) -> Result<Permit, StoreError> {
+        let res = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key(attr::PK, s(Breaker::KEY))
+            .update_expression("SET permits = if_not_exists(permits, :initial) - :one")
+            .condition_expression(format!(
+                "{BREAKER_LETS_SUBMITS} AND (attribute_not_exists(permits) OR permits > :zero) \
+                 AND (attribute_not_exists(q_total) OR q_total <= :zero)"
+            ))
+            .expression_attribute_values(":now", n(now.as_millis()))
+            .expression_attribute_values(":t", AttributeValue::Bool(true))
+            .expression_attribute_values(":zero", n(0))
+            .expression_attribute_values(":one", n(1))
+            .expression_attribute_values(":initial", n(u64::from(initial.max(1))))
+            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
+            .send()
+            .await;
+        match res {
+            Ok(_) => Ok(Permit::Taken),
+            Err(e) => match refused_item(&e) {
+                Some(old) => {
+                    Ok(Permit::Refused(old.map_or_else(|| Ok(SubmitState::default()), SubmitState::from_item)?))
+                }
+                None => Err(sdk_error(e)),
+            },
+        }
+    }
+
+    /// Gives back a permit that was not used (the in.php pace had no slot left).
+    pub async fn give_back_permit(&self) -> Result<(), StoreError> {
+        self.client
+            .update_item()
+            .table_name(&self.table)
+            .key(attr::PK, s(Breaker::KEY))
+            .update_expression("ADD permits :one")
+            .expression_attribute_values(":one", n(1))
+            .send()
+            .await
+            .map_err(sdk_error)?;
+        Ok(())
+    }
+
+    /// Counts a task into `lane` before it is put in the queue, within the bounds (`max_lane`
+    /// for the lane, `max_total` in all). `no_slot`: an inline submit met "no free thread" (no
+    /// more permits until the submitter publishes them again, and the submitter learns of it).
+    pub async fn reserve_queue(
+        &self,
+        lane: &str,
+        max_lane: u64,
+        max_total: u64,
+        no_slot: bool,
+    ) -> Result<Reserved, StoreError> {
+        let mut update = "ADD q_total :one, #lane :one".to_owned();
+        if no_slot {
+            update.push_str(", ns_api :one SET permits = :zero");
+        }
+        let res = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key(attr::PK, s(Breaker::KEY))
+            .update_expression(update)
+            .condition_expression(
+                "(attribute_not_exists(q_total) OR q_total < :maxt) AND (attribute_not_exists(#lane) OR #lane < :maxl)",
+            )
+            .expression_attribute_names("#lane", lane_attr(lane))
+            .expression_attribute_values(":one", n(1))
+            .expression_attribute_values(":maxt", n(max_total))
+            .expression_attribute_values(":maxl", n(max_lane));
+        let res = if no_slot { res.expression_attribute_values(":zero", n(0)) } else { res }
+            .return_values(ReturnValue::AllNew)
+            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
+            .send()
+            .await;
+        match res {
+            Ok(out) => Ok(Reserved::Yes(
+                out.attributes.as_ref().map_or_else(|| Ok(SubmitState::default()), SubmitState::from_item)?,
+            )),
+            Err(e) => match refused_item(&e) {
+                Some(old) => {
+                    let st = old.map_or_else(|| Ok(SubmitState::default()), SubmitState::from_item)?;
+                    let in_lane = st.lanes.get(lane).copied().unwrap_or(0);
+                    Ok(if in_lane >= max_lane {
+                        Reserved::Full { owner: true, depth: in_lane, bound: max_lane }
+                    } else {
+                        Reserved::Full { owner: false, depth: st.queued, bound: max_total }
+                    })
+                }
+                None => Err(sdk_error(e)),
+            },
+        }
+    }
+
+    /// Counts `n` tasks into `lane` without a bound (a released task going back), or out of it
+    /// (`delta` negative: a task left the queue, or a reservation was not used).
+    pub async fn count_queued(&self, lane: &str, delta: i64) -> Result<(), StoreError> {
+        self.client
+            .update_item()
+            .table_name(&self.table)
+            .key(attr::PK, s(Breaker::KEY))
+            .update_expression("ADD q_total :d, #lane :d")
+            .expression_attribute_names("#lane", lane_attr(lane))
+            .expression_attribute_values(":d", AttributeValue::N(delta.to_string()))
+            .send()
+            .await
+            .map_err(sdk_error)?;
+        Ok(())
+    }
+
+    /// Puts a new task in the queue (its reservation made): state queued, with the request and
+    /// its pingback URL, listed under its lane. Idempotent like [`TaskStore::create`]: with an
+    /// idempotency key's `fingerprint`, an existing task comes back instead.
+    pub async fn create_queued(
+        &self,
+        task: &Task,
+        request: &SubmitRequest,
+        pingback: &str,
+        fingerprint: Option<&str>,
+    ) -> Result<Created, StoreError> {
+        let TaskState::Queued { queued_at, lane } = &task.state else {
+            return Err(StoreError::Rejected(format!("task {} is not a queued task", task.task_ref)));
+        };
+        let json = serde_json::to_string(request).map_err(|e| StoreError::Rejected(e.to_string()))?;
+        let extra: Item = [
+            ("queued_at", n(queued_at.as_millis())),
+            ("q_lane", s(lane)),
+            ("sq_key", s(&queued_key(lane))),
+            ("sq_at", n(queued_at.as_millis())),
+            ("sq_req", s(&json)),
+            ("sq_pingback", s(pingback)),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect();
+        self.put_new(task, None, fingerprint, extra).await
+    }
+
+    /// The oldest tasks waiting in `lane` (up to `limit`).
+    pub async fn queue_heads(&self, lane: &str, limit: i32) -> Result<Vec<QueuedRef>, StoreError> {
+        let out = self
+            .client
+            .query()
+            .table_name(&self.table)
+            .index_name(QUEUE_INDEX)
+            .key_condition_expression("sq_key = :k")
+            .expression_attribute_values(":k", s(&queued_key(lane)))
+            .limit(limit)
+            .send()
+            .await
+            .map_err(sdk_error)?;
+        out.items()
+            .iter()
+            .map(|i| {
+                Ok(QueuedRef {
+                    task_ref: TaskRef::parse(super::req_s(i, attr::PK)?).map_err(super::corrupt(attr::PK))?,
+                    queued_at: super::req_ts(i, "sq_at")?,
+                })
+            })
+            .collect()
+    }
+
+    /// How many tasks wait in `lane` ahead of one queued at `queued_at` (at most `cap` are
+    /// counted).
+    pub async fn queue_ahead(&self, lane: &str, queued_at: Timestamp, cap: i32) -> Result<u64, StoreError> {
+        let out = self
+            .client
+            .query()
+            .table_name(&self.table)
+            .index_name(QUEUE_INDEX)
+            .key_condition_expression("sq_key = :k AND sq_at < :at")
+            .expression_attribute_values(":k", s(&queued_key(lane)))
+            .expression_attribute_values(":at", n(queued_at.as_millis()))
+            .select(Select::Count)
+            .limit(cap)
+            .send()
+            .await
+            .map_err(sdk_error)?;
+        Ok(u64::try_from(out.count).unwrap_or(0))
+    }
+
+    /// Every lane the index lists a queued task in (a Scan of the keys-only index: the safety
+    /// net for a lane whose count was lost).
+    pub async fn queued_lanes(&self) -> Result<BTreeMap<String, u64>, StoreError> {
+        let mut lanes = BTreeMap::new();
+        let mut start = None;
+        loop {
+            let out = self
+                .client
+                .scan()
+                .table_name(&self.table)
+                .index_name(QUEUE_INDEX)
+                .filter_expression("begins_with(sq_key, :q)")
+                .expression_attribute_values(":q", s("q#"))
+                .set_exclusive_start_key(start)
+                .send()
+                .await
+                .map_err(sdk_error)?;
+            for item in out.items() {
+                if let Some(lane) = get_s(item, "sq_key")?.and_then(|k| k.strip_prefix("q#")) {
+                    *lanes.entry(lane.to_owned()).or_insert(0) += 1;
+                }
+            }
+            match out.last_evaluated_key.filter(|k| !k.is_empty()) {
+                Some(k) => start = Some(k),
+                None => return Ok(lanes),
+            }
+        }
+    }
+
+    /// Sets `lane`'s count to `actual` if it is still `seen` (a count left too high by a crash,
+    /// or lost), moving the total by the difference. `false` if it changed meanwhile.
+    pub async fn reconcile_lane(&self, lane: &str, seen: u64, actual: u64) -> Result<bool, StoreError> {
+        let delta = actual as i64 - seen as i64;
+        let cond = if seen == 0 { "attribute_not_exists(#lane) OR #lane <= :seen" } else { "#lane = :seen" };
+        let res = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key(attr::PK, s(Breaker::KEY))
+            .update_expression("SET #lane = :actual ADD q_total :d")
+            .condition_expression(cond)
+            .expression_attribute_names("#lane", lane_attr(lane))
+            .expression_attribute_values(":actual", n(actual))
+            .expression_attribute_values(":seen", n(seen))
+            .expression_attribute_values(":d", AttributeValue::N(delta.to_string()))
+            .send()
+            .await;
+        condition_held(res)
+    }
+
+    /// Takes a queued task out of the queue to send it: queued → submitting, counted in work
+    /// until `in_work_until`, due for the poller at `deadline` (if in.php's answer is never
+    /// stored). `None` if it is no longer queued.
+    pub async fn release(
+        &self,
+        task_ref: &TaskRef,
+        now: Timestamp,
+        in_work_until: Timestamp,
+        deadline: Timestamp,
+    ) -> Result<Option<Released>, StoreError> {
+        let res = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key(attr::PK, s(task_ref.as_ref()))
+            .update_expression(
+                "SET #state = :submitting, released_at = :now, sq_key = :w, sq_at = :until, poll_shard = :shard, \
+                 poll_due_at = :deadline",
+            )
+            .condition_expression("#state = :queued")
+            .expression_attribute_names("#state", attr::STATE)
+            .expression_attribute_values(":submitting", s("submitting"))
+            .expression_attribute_values(":queued", s("queued"))
+            .expression_attribute_values(":now", n(now.as_millis()))
+            .expression_attribute_values(":w", s(&in_work_key(task_ref)))
+            .expression_attribute_values(":until", n(in_work_until.as_millis()))
+            .expression_attribute_values(":shard", n(u64::from(task_ref.shard(super::POLL_SHARDS))))
+            .expression_attribute_values(":deadline", n(deadline.as_millis()))
+            .return_values(ReturnValue::AllNew)
+            .send()
+            .await;
+        let item = match res {
+            Ok(out) => out.attributes.unwrap_or_default(),
+            Err(e) if refused_item(&e).is_some() => return Ok(None),
+            Err(e) => return Err(sdk_error(e)),
+        };
+        let task = decode(Some(&item))?;
+        let request: SubmitRequest = serde_json::from_str(super::req_s(&item, "sq_req")?)
+            .map_err(|e| StoreError::Corrupt(format!("`sq_req`: {e}")))?;
+        Ok(Some(Released {
+            task,
+            request,
+            pingback: super::req_s(&item, "sq_pingback")?.to_owned(),
+            lane: super::req_s(&item, "q_lane")?.to_owned(),
+            queued_at: super::req_ts(&item, "queued_at")?,
+        }))
+    }
+
+    /// Puts a task in.php refused explicitly (no free thread, a ban, a server error code) back
+    /// at its place in the queue (its count made first). Only one in.php never took: still
+    /// submitting, no id, no unknown outcome. `false` otherwise.
+    pub async fn requeue(&self, task_ref: &TaskRef, lane: &str, queued_at: Timestamp) -> Result<bool, StoreError> {
+        let res = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key(attr::PK, s(task_ref.as_ref()))
+            .update_expression(
+                "SET #state = :queued, queued_at = :at, q_lane = :lane, sq_key = :q, sq_at = :at \
+                 REMOVE released_at, poll_shard, poll_due_at, lease_owner",
+            )
+            .condition_expression(
+                "#state = :submitting AND attribute_not_exists(captcha_id) AND attribute_not_exists(submit_unknown)",
+            )
+            .expression_attribute_names("#state", attr::STATE)
+            .expression_attribute_values(":queued", s("queued"))
+            .expression_attribute_values(":submitting", s("submitting"))
+            .expression_attribute_values(":at", n(queued_at.as_millis()))
+            .expression_attribute_values(":lane", s(lane))
+            .expression_attribute_values(":q", s(&queued_key(lane)))
+            .send()
+            .await;
+        condition_held(res)
+    }
+
+    /// Turns an inline submit that was refused for now into a queued task (its reservation
+    /// made): submitting → queued, with what in.php needs. Same conditions as
+    /// [`TaskStore::requeue`].
+    pub async fn queue_unsent(
+        &self,
+        task_ref: &TaskRef,
+        lane: &str,
+        queued_at: Timestamp,
+        request: &SubmitRequest,
+        pingback: &str,
+    ) -> Result<bool, StoreError> {
+        let json = serde_json::to_string(request).map_err(|e| StoreError::Rejected(e.to_string()))?;
+        let res = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key(attr::PK, s(task_ref.as_ref()))
+            .update_expression(
+                "SET #state = :queued, queued_at = :at, q_lane = :lane, sq_key = :q, sq_at = :at, sq_req = :req, \
+                 sq_pingback = :pb REMOVE poll_shard, poll_due_at",
+            )
+            .condition_expression(
+                "#state = :submitting AND attribute_not_exists(captcha_id) AND attribute_not_exists(submit_unknown)",
+            )
+            .expression_attribute_names("#state", attr::STATE)
+            .expression_attribute_values(":queued", s("queued"))
+            .expression_attribute_values(":submitting", s("submitting"))
+            .expression_attribute_values(":at", n(queued_at.as_millis()))
+            .expression_attribute_values(":lane", s(lane))
+            .expression_attribute_values(":q", s(&queued_key(lane)))
+            .expression_attribute_values(":req", s(&json))
+            .expression_attribute_values(":pb", s(pingback))
+            .send()
+            .await;
+        condition_held(res)
+    }
+
+    /// Fails a task that was never sent — it waited in the queue too long (`from_queue`), or
+    /// in.php refused it for good when the queue released it — with `code`; its push (if any)
+    /// becomes due: its owner heard nothing else. The task as stored, or `None` if it is no
+    /// longer such a task.
+    pub async fn fail_unsent(
+        &self,
+        task_ref: &TaskRef,
+        from_queue: bool,
+        code: &str,
+        detail: &str,
+        now: Timestamp,
+    ) -> Result<Option<Task>, StoreError> {
+        let condition = if from_queue {
+            "#state = :from"
+        } else {
+            "#state = :from AND attribute_not_exists(captcha_id) AND attribute_not_exists(submit_unknown)"
+        };
+        let req = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key(attr::PK, s(task_ref.as_ref()))
+            .update_expression(format!(
+                "SET #state = :failed, error_code = :code, error_detail = :detail, resolved_at = :now, \
+                 resolved_via = :via, expires_ttl = :ttl, {} REMOVE {}, {}",
+                super::DELIVERY_DUE,
+                super::UNSENT_CLEAR,
+                super::DELIVERY_CLEAR
+            ))
+            .condition_expression(condition)
+            .expression_attribute_names("#state", attr::STATE)
+            .expression_attribute_values(":failed", s("failed"))
+            .expression_attribute_values(":from", s(if from_queue { "queued" } else { "submitting" }))
+            .expression_attribute_values(":code", s(code))
+            .expression_attribute_values(":detail", s(detail))
+            .expression_attribute_values(":now", n(now.as_millis()))
+            .expression_attribute_values(":via", s(crate::domain::Via::Submit.as_str()))
+            .expression_attribute_values(":ttl", self.ttl(now))
+            .return_values(ReturnValue::AllNew);
+        match super::delivery_due(req, now).send().await {
+            Ok(out) => {
+                let task = decode(out.attributes.as_ref())?;
+                self.push_due(&task, now);
+                Ok(Some(task))
+            }
+            Err(e) if refused_item(&e).is_some() => Ok(None),
+            Err(e) => Err(sdk_error(e)),
+        }
+    }
+
+    /// The tasks CaptchaAI may be working on at `now`: every one listed in work whose thread is
+    /// not surely free yet (keys only; one small Query per shard, at once).
+    pub async fn in_work(&self, now: Timestamp) -> Result<Vec<TaskRef>, StoreError> {
+        let queries = (0..IN_WORK_SHARDS).map(|shard| async move {
+            let mut refs = Vec::new();
+            let mut start = None;
+            loop {
+                let out = self
+                    .client
+                    .query()
+                    .table_name(&self.table)
+                    .index_name(QUEUE_INDEX)
+                    .key_condition_expression("sq_key = :k AND sq_at > :now")
+                    .expression_attribute_values(":k", s(&format!("w#{shard}")))
+                    .expression_attribute_values(":now", n(now.as_millis()))
+                    .set_exclusive_start_key(start)
+                    .send()
+                    .await
+                    .map_err(sdk_error)?;
+                for i in out.items() {
+                    refs.push(TaskRef::parse(super::req_s(i, attr::PK)?).map_err(super::corrupt(attr::PK))?);
+                }
+                match out.last_evaluated_key.filter(|k| !k.is_empty()) {
+                    Some(k) => start = Some(k),
+                    None => return Ok::<_, StoreError>(refs),
+                }
+            }
+        });
+        let mut all = Vec::new();
+        for part in futures_util::future::join_all(queries).await {
+            all.extend(part?);
+        }
+        Ok(all)
+    }
+
+    /// Takes or renews the submitter's lease until `until` (free, lapsed or already `me`'s),
+    /// publishing what it knows. `None`: another submitter holds it.
+    pub async fn releaser_lease(
+        &self,
+        me: &str,
+        now: Timestamp,
+        until: Timestamp,
+        publish: Option<&Publish>,
+    ) -> Result<Option<SubmitState>, StoreError> {
+        let mut update = "SET rel_owner = :me, rel_until = :until".to_owned();
+        let mut req = self.client.update_item().table_name(&self.table).key(attr::PK, s(Breaker::KEY));
+        if let Some(p) = publish {
+            update.push_str(", permits = :permits, win = :win, rel_rate = :rate");
+            req = req
+                .expression_attribute_values(":permits", n(u64::from(p.permits)))
+                .expression_attribute_values(":win", s(&p.window))
+                .expression_attribute_values(":rate", n(p.released_per_minute));
+        }
+        let res = req
+            .update_expression(update)
+            .condition_expression("attribute_not_exists(rel_until) OR rel_until <= :now OR rel_owner = :me")
+            .expression_attribute_values(":me", s(me))
+            .expression_attribute_values(":until", n(until.as_millis()))
+            .expression_attribute_values(":now", n(now.as_millis()))
+            .return_values(ReturnValue::AllNew)
+            .send()
+            .await;
+        match res {
+            Ok(out) => {
+                Ok(Some(out.attributes.as_ref().map_or_else(|| Ok(SubmitState::default()), SubmitState::from_item)?))
+            }
+            Err(e) if refused_item(&e).is_some() => Ok(None),
+            Err(e) => Err(sdk_error(e)),
+        }
+    }
+
+    /// Ends `me`'s lease (publishing a last time).
+    pub async fn releaser_leave(&self, me: &str, publish: &Publish) -> Result<(), StoreError> {
+        let res = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key(attr::PK, s(Breaker::KEY))
+            .update_expression("SET rel_until = :zero, permits = :permits, win = :win, rel_rate = :rate")
+            .condition_expression("rel_owner = :me")
+            .expression_attribute_values(":me", s(me))
+            .expression_attribute_values(":zero", n(0))
+            .expression_attribute_values(":permits", n(u64::from(publish.permits)))
+            .expression_attribute_values(":win", s(&publish.window))
+            .expression_attribute_values(":rate", n(publish.released_per_minute))
+            .send()
+            .await;
+        condition_held(res).map(|_| ())
+    }
+
+    /// Wakes the submitter: a write to [`WAKE_KEY`], at most one a second (the table's stream
+    /// starts an invocation on it). `false`: one was written less than a second ago.
+    pub async fn wake_submitter(&self, now: Timestamp) -> Result<bool, StoreError> {
+        let res = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key(attr::PK, s(WAKE_KEY))
+            .update_expression("SET wake_at = :now, expires_ttl = :ttl")
+            .condition_expression("attribute_not_exists(wake_at) OR wake_at < :second_ago")
+            .expression_attribute_values(":now", n(now.as_millis()))
+            .expression_attribute_values(":second_ago", n(now.as_millis().saturating_sub(1_000)))
+            .expression_attribute_values(":ttl", n(now.as_secs() + 86_400))
+            .send()
+            .await;
+        condition_held(res)
+    }
+}
