@@ -48,10 +48,12 @@ impl Relay {
     pub fn new(p: LocalParts) -> Self {
         let signer = relay_shared::signing::CallbackSigner::new(p.signing_secret);
         let submit_wake = Arc::new(tokio::sync::Notify::new());
+        // Every result recorded frees a CaptchaAI thread: the submitter hears of it at once.
+        let store = p.store.with_result_notifier(submit_wake.clone());
         Self {
             submit_wake: submit_wake.clone(),
             api: relay_api::Deps {
-                store: p.store.clone(),
+                store: store.clone(),
                 captchaai: p.captchaai,
                 signer: signer.clone(),
                 auth: relay_shared::http::Authorizer::api_key(&p.api_key),
@@ -63,12 +65,12 @@ impl Relay {
                 waker: Arc::new(relay_shared::submit::NotifyWaker(submit_wake)),
                 // Local mode's API key is also a relay key for the 2captcha-compatible routes,
                 // beside any made with the operator command.
-                relay_keys: relay_shared::store::RelayKeys::new(Some(p.store.clone())).with_fixed("local", &p.api_key),
+                relay_keys: relay_shared::store::RelayKeys::new(Some(store.clone())).with_fixed("local", &p.api_key),
                 compat: relay_api::compat::CompatState::default(),
                 delivery_policy: p.delivery_policy,
             },
             callback: relay_callback::Deps {
-                store: p.store,
+                store,
                 signer,
                 clock: p.clock,
                 dead_letters: p.dead_letters,

@@ -475,7 +475,8 @@ pub async fn start(cfg: &LocalConfig, opts: Options) -> anyhow::Result<Running> 
     };
     let settings = relay_poller::PollerSettings::default();
     let poller = relay_poller::Deps {
-        store: store.clone(),
+        // The relay's store: its results wake the submitter too.
+        store: submitter.store.clone(),
         // The poller plans its time around its own read timeout.
         captchaai: CaptchaAiClient::new(&cai_url, SecretString::from(cai_key.clone()), settings.read_timeout, None)?,
         settings,

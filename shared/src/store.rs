@@ -466,11 +466,21 @@ pub struct TaskStore {
     table: String,
     retention: Duration,
     pushes: Option<PushNotifier>,
+    /// Told of every result this store records (a CaptchaAI thread freed).
+    results: Option<std::sync::Arc<tokio::sync::Notify>>,
 }
 
 impl TaskStore {
     pub fn new(client: Client, table: impl Into<String>, retention: Duration) -> Self {
-        Self { client, table: table.into(), retention, pushes: None }
+        Self { client, table: table.into(), retention, pushes: None, results: None }
+    }
+
+    /// The same store, notifying `n` of every result it records: how a submitter in the same
+    /// process (local mode) hears at once that a thread is free, instead of at its next look.
+    #[must_use]
+    pub fn with_result_notifier(mut self, n: std::sync::Arc<tokio::sync::Notify>) -> Self {
+        self.results = Some(n);
+        self
     }
 
     /// The same store, telling `n` of every push its writes make due.
@@ -808,6 +818,9 @@ impl TaskStore {
         let applied = decode(out.attributes.as_ref())?.apply(d.clone());
         if let Ok(Applied::Recorded(task) | Applied::Replaced(task) | Applied::Earlier(task)) = &applied {
             self.push_due(task, d.received_at);
+        }
+        if let (Some(n), Ok(Applied::Recorded(_))) = (&self.results, &applied) {
+            n.notify_one();
         }
         match applied {
             Ok(Applied::Recorded(task)) => Ok(RecordOutcome::Recorded(task)),

@@ -588,6 +588,30 @@ impl World {
         Ok((status, resp.json().await.unwrap_or_default(), headers))
     }
 
+    /// `POST /in.php` as a 2captcha client sends it (a form, plain answers), with this relay's
+    /// key (local mode's API key is also a relay key) and the given parameters.
+    pub async fn post_in_php(&self, params: &str) -> anyhow::Result<(u16, String)> {
+        let resp = self
+            .http
+            .post(format!("{}/in.php", self.base))
+            .header("content-type", "application/x-www-form-urlencoded")
+            .body(format!("key={}&{params}", self.api_key))
+            .send()
+            .await?;
+        Ok((resp.status().as_u16(), resp.text().await?))
+    }
+
+    /// `GET /res.php?action=get&id=…` (plain answers).
+    pub async fn res_php(&self, id: &str) -> anyhow::Result<String> {
+        Ok(self
+            .http
+            .get(format!("{}/res.php?key={}&action=get&id={id}", self.base, self.api_key))
+            .send()
+            .await?
+            .text()
+            .await?)
+    }
+
     /// `GET /tasks/{ref}`.
     pub async fn get_task(&self, task_ref: &str) -> anyhow::Result<serde_json::Value> {
         Ok(self
