@@ -27,7 +27,8 @@ Checks:
                   table (relay keys are checked by one GetItem).
   delivery        push delivery (issue 15): the task table streams NEW_IMAGE and has the sparse
                   index due-for-delivery (dlv_shard/dlv_due, KEYS_ONLY; parked pushes
-                  sit in it too); one function reads the stream with an
+                  sit in it too); the delivery function - every function reading the stream but
+                  the submitter (binary relay-submitter: `submit-queue` checks it) - reads it with an
                   OnFailure destination (an SQS queue of this template) and a FilterCriteria whose
                   every pattern requires dynamodb.NewImage dlv_shard and dlv_due to exist as N
                   (`exists` without the type never matches); it also has a schedule (the sweep);
@@ -40,6 +41,23 @@ Checks:
                   the role may receive/delete only on it; the delivery alarms exist (the
                   token-died alarm among them), watch their metric (`service` = delivery for the
                   relay's own) and notify an SNS topic of this template.
+  submit-queue    the submit queue (issue 24): the task table has the sparse index submit-queue
+                  (sq_key S, sq_at N, KEYS_ONLY); the submitter (the function built from
+                  relay-submitter) reads the table's stream with a batching window of 0 and a
+                  FilterCriteria whose every pattern is exactly the wake item's key (WAKE_PATTERN:
+                  anything wider starts it on every write of the table), and has a schedule (the
+                  backstop); the function serving /tasks and the submitter set each of QUEUE_VARS to
+                  the same value (one queue, one CaptchaAI account), and the submitter sets the
+                  API's CALLBACK_GRACE_SECS (it schedules the first poll of what it sends); the
+                  submitter has its own role with no managed policies, granting only
+                  SUBMITTER_GRANTS, each on its own resource (Get/UpdateItem on the table itself,
+                  Query/Scan on submit-queue only, stream reads on the table's stream, `*` only for
+                  ListStreams, SendMessage only to its DEAD_LETTER_QUEUE_URL queue, logs only to its
+                  log group), and every one of those it needs (the secrets' grants: `secrets`); the
+                  API may Query submit-queue (a queued task's position); SubmitQueueAgeAlarm
+                  (threshold QueueAgeAlarmSeconds) and SubmitterErrorsAlarm exist, watch their
+                  metrics (`service` = submitter for the relay's own, the submitter's Lambda Errors)
+                  and notify an SNS topic of this template.
 """
 import copy
 import json
@@ -390,6 +408,46 @@ def stream_events(t, table):
     return out
 
 
+SUBMITTER_BINARY = "relay-submitter"
+
+
+def binary_of(fn_resource):
+    """The cargo binary a function is built from (Metadata.BuildProperties.Binary)."""
+    return ((fn_resource.get("Metadata") or {}).get("BuildProperties") or {}).get("Binary")
+
+
+def submitter_functions(t):
+    """The functions built from relay-submitter (the submit queue's releaser)."""
+    return [n for n, r in t["Resources"].items()
+            if r.get("Type") == "AWS::Serverless::Function" and binary_of(r) == SUBMITTER_BINARY]
+
+
+def delivery_stream_events(t, table):
+    """The delivery function's events on `table`'s stream: every reader's but the submitter's (the
+    stream wakes it for one item; `submit-queue` checks it)."""
+    submitters = set(submitter_functions(t))
+    return [e for e in stream_events(t, table) if e[0] not in submitters]
+
+
+def index_findings(table, props, index, hash_key, range_key, projection):
+    """A global secondary index of `table` with keys (name, type) and `projection`."""
+    defs = {d.get("AttributeName"): d.get("AttributeType") for d in listify(props.get("AttributeDefinitions", []))}
+    gsis = {g.get("IndexName"): g for g in listify(props.get("GlobalSecondaryIndexes", []))}
+    g = gsis.get(index)
+    if g is None:
+        return [f"{table}: no index {index}"]
+    out = []
+    keys = {k.get("KeyType"): k.get("AttributeName") for k in listify(g.get("KeySchema", []))}
+    if keys != {"HASH": hash_key[0], "RANGE": range_key[0]}:
+        out.append(f"{table}: index {index} keys {keys}; want {hash_key[0]} (HASH), {range_key[0]} (RANGE)")
+    if (g.get("Projection") or {}).get("ProjectionType") != projection:
+        out.append(f"{table}: index {index} projection is not {projection}")
+    for k, typ in (hash_key, range_key):
+        if defs.get(k) != typ:
+            out.append(f"{table}: attribute {k} is not defined as {typ}")
+    return out
+
+
 def filter_requires(pattern, attr):
     """Whether a filter pattern lets through only records whose NewImage has `attr` as a number."""
     leaf = ((pattern.get("dynamodb") or {}).get("NewImage") or {}).get(attr)
@@ -405,25 +463,12 @@ def check_delivery(t, table="TasksTable"):
     view = (props.get("StreamSpecification") or {}).get("StreamViewType")
     if view != "NEW_IMAGE":
         out.append(f"{table}: StreamViewType is {view}; push delivery needs NEW_IMAGE")
-    defs = {d.get("AttributeName"): d.get("AttributeType") for d in listify(props.get("AttributeDefinitions", []))}
-    gsis = {g.get("IndexName"): g for g in listify(props.get("GlobalSecondaryIndexes", []))}
     for index, (hash_key, range_key, projection) in DELIVERY_INDEXES.items():
-        g = gsis.get(index)
-        if g is None:
-            out.append(f"{table}: no index {index}")
-            continue
-        keys = {k.get("KeyType"): k.get("AttributeName") for k in listify(g.get("KeySchema", []))}
-        if keys != {"HASH": hash_key, "RANGE": range_key}:
-            out.append(f"{table}: index {index} keys {keys}; want {hash_key} (HASH), {range_key} (RANGE)")
-        if (g.get("Projection") or {}).get("ProjectionType") != projection:
-            out.append(f"{table}: index {index} projection is not {projection}")
-        for k in (hash_key, range_key):
-            if defs.get(k) != "N":
-                out.append(f"{table}: attribute {k} is not defined as N")
+        out += index_findings(table, props, index, (hash_key, "N"), (range_key, "N"), projection)
 
-    events = stream_events(t, table)
+    events = delivery_stream_events(t, table)
     if not events:
-        out.append(f"no function reads {table}'s stream (push delivery is woken by it)")
+        out.append(f"no function but the submitter reads {table}'s stream (push delivery is woken by it)")
     failure_queues = set()
     for fn, ev_name, ev in events:
         where = f"{fn}.{ev_name}"
@@ -515,6 +560,249 @@ def check_delivery(t, table="TasksTable"):
     return sorted(set(out))
 
 
+SUBMIT_QUEUE_INDEX = "submit-queue"
+# (name, attribute type): the queue's lanes and tasks in work (S), their time (N).
+SUBMIT_QUEUE_KEYS = (("sq_key", "S"), ("sq_at", "N"))
+# The one item whose writes start the submitter (the API writes it when it queues a task).
+WAKE_PATTERN = {"dynamodb": {"Keys": {"pk": {"S": ["submitq#wake"]}}}}
+# Settings the API (inline submits, queue bounds) and the submitter (releases) must share.
+QUEUE_VARS = (
+    "CAPTCHAAI_THREADS", "SUBMITS_PER_SECOND", "SUBMIT_NO_SLOT_PER_MINUTE",
+    "QUEUE_MAX_PER_OWNER", "QUEUE_MAX_TOTAL", "QUEUE_MAX_WAIT_SECS",
+)
+# action: the only resource the submitter's role may grant it on (see `resource_kind`); None = any
+# but `*` (the secrets' grants: the `secrets` check names them).
+SUBMITTER_GRANTS = {
+    "dynamodb:getitem": "table", "dynamodb:updateitem": "table",
+    "dynamodb:query": "index", "dynamodb:scan": "index",
+    "dynamodb:describestream": "stream", "dynamodb:getrecords": "stream", "dynamodb:getsharditerator": "stream",
+    "dynamodb:liststreams": "*",
+    "sqs:sendmessage": "dead-letter queue",
+    "logs:createlogstream": "log group", "logs:putlogevents": "log group",
+    "ssm:getparameter": None, "secretsmanager:getsecretvalue": None, "kms:decrypt": None,
+}
+# alarm: (namespace, metric) it must watch, each.
+SUBMIT_ALARMS = {
+    "SubmitQueueAgeAlarm": (("CaptchaRelay", "submit_queue_oldest_seconds"),),
+    "SubmitterErrorsAlarm": (("AWS/Lambda", "Errors"), ("CaptchaRelay", "submitter_errors")),
+}
+SUBMIT_ALARM_THRESHOLDS = {"SubmitQueueAgeAlarm": {"Ref": "QueueAgeAlarmSeconds"}}
+
+
+def tasks_functions(t):
+    """The functions serving /tasks (the API)."""
+    return sorted({fn for fn, _, _, _, path, _ in http_routes(t) if path == "/tasks" or str(path).startswith("/tasks/")})
+
+
+def function_env(t, fn_resource):
+    """A function's environment as SAM deploys it: Globals' variables, then its own."""
+    env = dict(((t.get("Globals", {}).get("Function", {}).get("Environment") or {}).get("Variables") or {}))
+    env.update(((fn_resource.get("Properties", {}).get("Environment") or {}).get("Variables") or {}))
+    return env
+
+
+def sub_text(x):
+    """The template string of a Sub (or a plain string): how the template builds an ARN."""
+    if isinstance(x, dict) and "Fn::Sub" in x:
+        v = x["Fn::Sub"]
+        return v[0] if isinstance(v, list) else v
+    return x if isinstance(x, str) else None
+
+
+def get_att(x):
+    """(resource, attribute) of a GetAtt, else None."""
+    if isinstance(x, dict) and "Fn::GetAtt" in x:
+        ga = x["Fn::GetAtt"]
+        return tuple(ga) if isinstance(ga, list) else tuple(ga.split(".", 1))
+    return None
+
+
+def resource_kind(x, table, queue, log_group):
+    """What a statement's resource names, in SUBMITTER_GRANTS' terms (None: something else)."""
+    text, att = sub_text(x), get_att(x)
+    if x == "*":
+        return "*"
+    if att == (table, "Arn") or text == f"${{{table}.Arn}}":
+        return "table"
+    if text == f"${{{table}.Arn}}/index/{SUBMIT_QUEUE_INDEX}":
+        return "index"
+    if att == (table, "StreamArn") or text in (f"${{{table}.Arn}}/stream/*", f"${{{table}.StreamArn}}"):
+        return "stream"
+    if queue and att == (queue, "Arn"):
+        return "dead-letter queue"
+    if log_group and att == (log_group, "Arn"):
+        return "log group"
+    return None
+
+
+def kind_text(kind, table, queue, log_group):
+    return {
+        "table": f"{table} itself", "index": f"{table}'s {SUBMIT_QUEUE_INDEX} index", "stream": f"{table}'s stream",
+        "*": "*", "dead-letter queue": f"its DEAD_LETTER_QUEUE_URL queue {queue or '(none)'}",
+        "log group": f"its log group {log_group or '(no LoggingConfig.LogGroup)'}",
+    }[kind]
+
+
+def wake_findings(where, ev):
+    """The submitter's stream event: started by the wake item only, at once."""
+    out = []
+    filters = listify((ev.get("FilterCriteria") or {}).get("Filters", []))
+    if not filters:
+        out.append(f"{where}: no FilterCriteria (every write of the table would start a run)")
+    for f in filters:
+        try:
+            pattern = json.loads(f.get("Pattern", ""))
+        except (TypeError, ValueError):
+            out.append(f"{where}: filter pattern is not JSON: {f.get('Pattern')!r}")
+            continue
+        dynamodb = pattern.get("dynamodb") if isinstance(pattern, dict) else None
+        key = ((dynamodb or {}).get("Keys") or {}).get("pk") if isinstance(dynamodb, dict) else None
+        if key != WAKE_PATTERN["dynamodb"]["Keys"]["pk"]:
+            out.append(f"{where}: filter pattern {f.get('Pattern')} lets through more than the wake item "
+                       f"(every write of the table would start a run); use {json.dumps(WAKE_PATTERN)}")
+        elif pattern != WAKE_PATTERN:
+            out.append(f"{where}: filter pattern {f.get('Pattern')} adds conditions to the wake item's key "
+                       f"(a write of the wake item they drop starts no run); use {json.dumps(WAKE_PATTERN)}")
+    if ev.get("MaximumBatchingWindowInSeconds", 0) != 0:
+        out.append(f"{where}: MaximumBatchingWindowInSeconds is {ev.get('MaximumBatchingWindowInSeconds')}; "
+                   "0 starts a run the moment a task is queued")
+    return out
+
+
+def submitter_trigger_findings(t, fn, table):
+    """The submitter is woken by the table's stream (the wake item) and by a schedule."""
+    out = []
+    events = [e for e in stream_events(t, table) if e[0] == fn]
+    if not events:
+        out.append(f"{fn}: does not read {table}'s stream (the API's wake item would not start it; queued tasks would wait for the schedule)")
+    for _, ev_name, ev in events:
+        out += wake_findings(f"{fn}.{ev_name}", ev)
+    if not any(e.get("Type") in ("ScheduleV2", "Schedule") for e in t["Resources"][fn].get("Properties", {}).get("Events", {}).values()):
+        out.append(f"{fn}: no schedule (the backstop that releases the queue when a wake-up is lost)")
+    return out
+
+
+def queue_settings_findings(t, api, fn):
+    """The API and the submitter share one queue and one CaptchaAI account: the same settings."""
+    out = []
+    api_env, env = function_env(t, t["Resources"][api]), function_env(t, t["Resources"][fn])
+    for var in QUEUE_VARS:
+        a, b = api_env.get(var), env.get(var)
+        if a is None or b is None:
+            unset = " and ".join(n for n, v in ((api, a), (fn, b)) if v is None)
+            out.append(f"{unset}: {var} is not set; the API and the submitter must set it alike (one queue, one CaptchaAI account)")
+        elif a != b:
+            out.append(f"{var}: {api} sets {json.dumps(a)}, {fn} sets {json.dumps(b)}; they must agree (one queue, one CaptchaAI account)")
+    a, b = api_env.get("CALLBACK_GRACE_SECS"), env.get("CALLBACK_GRACE_SECS")
+    if b is None or a != b:
+        out.append(f"{fn}: CALLBACK_GRACE_SECS is {json.dumps(b)}, {api}'s is {json.dumps(a)}; "
+                   "it schedules the first poll of what it sends, as the API does")
+    return out
+
+
+def submitter_role_findings(t, fn, table):
+    """The submitter's own role grants only SUBMITTER_GRANTS, each on its resource, and those it needs."""
+    res = t["Resources"]
+    r = res[fn]
+    out = []
+    queue = ref_target(function_env(t, r).get("DEAD_LETTER_QUEUE_URL"))
+    if queue is None or res.get(queue, {}).get("Type") != "AWS::SQS::Queue":
+        out.append(f"{fn}: DEAD_LETTER_QUEUE_URL does not name an SQS queue of this template (an id in.php gave that could not be stored is kept there)")
+        queue = None
+    log_group = ref_target((r.get("Properties", {}).get("LoggingConfig") or {}).get("LogGroup"))
+    role = role_of(t, r)
+    if role is None:
+        out.append(f"{fn}: no Role of its own; SAM gives a DynamoDB event's function the managed AWSLambdaDynamoDBExecutionRole (stream reads on every stream, logs on every group)")
+        return out
+    if res[role].get("Properties", {}).get("ManagedPolicyArns"):
+        out.append(f"{role}: managed policies {res[role]['Properties']['ManagedPolicyArns']}; grant only SUBMITTER_GRANTS inline")
+    granted = set()
+    for st, cond in function_statements(t, r):
+        if st.get("Effect") != "Allow":
+            continue
+        if "NotAction" in st or "NotResource" in st:
+            out.append(f"{role}: NotAction/NotResource grants more than it names")
+        actions = {a.lower() for a in listify(st.get("Action", []))}
+        resources = listify(st.get("Resource", []))
+        kinds = [resource_kind(x, table, queue, log_group) for x in resources]
+        if "*" in kinds and actions - STAR_OK:
+            out.append(f"{role}: grants {sorted(actions - STAR_OK)} on *")
+        for a in sorted(actions):
+            if a not in SUBMITTER_GRANTS:
+                out.append(f"{role}: grants {a}, beyond the submitter's actions")
+                continue
+            want = SUBMITTER_GRANTS[a]
+            if want is None:
+                continue
+            bad = [x for x, k in zip(resources, kinds) if k != want]
+            if bad:
+                out.append(f"{role}: {a} on {bad}; only on {kind_text(want, table, queue, log_group)}")
+            elif cond is None and resources:
+                granted.add(a)
+    for a, want in SUBMITTER_GRANTS.items():
+        if want is not None and a not in granted:
+            out.append(f"{role}: grants no {a} on {kind_text(want, table, queue, log_group)}; the submitter needs it")
+    return out
+
+
+def api_queue_findings(t, api, table):
+    """The API reads a queued task's position in the submit-queue index."""
+    for st, _ in function_statements(t, t["Resources"][api]):
+        actions = {a.lower() for a in listify(st.get("Action", []))}
+        if st.get("Effect") == "Allow" and "dynamodb:query" in actions and any(
+                resource_kind(x, table, None, None) == "index" for x in listify(st.get("Resource", []))):
+            return []
+    return [f"{api}: no dynamodb:Query on {table}'s {SUBMIT_QUEUE_INDEX} index (GET /tasks/{{ref}} shows a queued task's position)"]
+
+
+def submit_alarm_findings(t, submitters):
+    res = t["Resources"]
+    out = []
+    for alarm, watches in SUBMIT_ALARMS.items():
+        a = res.get(alarm)
+        if not a or a.get("Type") != "AWS::CloudWatch::Alarm":
+            out.append(f"no {alarm}")
+            continue
+        p = a.get("Properties", {})
+        if not any(res.get(ref_target(x), {}).get("Type") == "AWS::SNS::Topic" for x in listify(p.get("AlarmActions", []))):
+            out.append(f"{alarm}: its AlarmActions notify no SNS topic of this template (AlarmTopic)")
+        metrics = alarm_metrics(p)
+        for namespace, metric in watches:
+            if not any(ns == namespace and m == metric for ns, m, _ in metrics):
+                out.append(f"{alarm}: does not watch {namespace} {metric}")
+        for ns, m, dims in metrics:
+            if ns == "CaptchaRelay" and dims.get("service") != "submitter":
+                out.append(f"{alarm}: {m} without dimension service = submitter matches nothing the submitter emits")
+            if ns == "AWS/Lambda" and ref_target(dims.get("FunctionName")) not in submitters:
+                out.append(f"{alarm}: {m} of FunctionName {dims.get('FunctionName')}, not the submitter")
+        want = SUBMIT_ALARM_THRESHOLDS.get(alarm)
+        if want is not None and p.get("Threshold") != want:
+            out.append(f"{alarm}: Threshold is {json.dumps(p.get('Threshold'))}; want {json.dumps(want)} (the operator's setting)")
+    return out
+
+
+def check_submit_queue(t, table="TasksTable"):
+    props = t["Resources"].get(table, {}).get("Properties", {})
+    if not props:
+        return [f"no {table}"]
+    out = index_findings(table, props, SUBMIT_QUEUE_INDEX, *SUBMIT_QUEUE_KEYS, "KEYS_ONLY")
+    submitters = submitter_functions(t)
+    if not submitters:
+        out.append(f"no function is built from {SUBMITTER_BINARY} (nothing would release the submit queue)")
+    apis = tasks_functions(t)
+    if not apis:
+        out.append("no function serves /tasks (the API that queues tasks)")
+    for fn in submitters:
+        out += submitter_trigger_findings(t, fn, table)
+        out += submitter_role_findings(t, fn, table)
+        for api in apis:
+            out += queue_settings_findings(t, api, fn)
+    for api in apis:
+        out += api_queue_findings(t, api, table)
+    out += submit_alarm_findings(t, submitters)
+    return sorted(set(out))
+
+
 def rust_sources():
     return "\n".join(p.read_text() for p in ROOT.rglob("*.rs") if "target" not in p.parts and ".venv" not in p.parts)
 
@@ -528,6 +816,7 @@ def run_checks(t, readme, sources):
         "knobs": check_knobs(t, readme, sources),
         "compat-routes": check_compat_routes(t),
         "delivery": check_delivery(t),
+        "submit-queue": check_submit_queue(t),
     }
 
 
@@ -602,6 +891,7 @@ def self_test(t, readme, sources):
         ("compat-routes", broken(drop_get_item), "dynamodb:GetItem"),
     ]
     cases += delivery_cases(t, broken, failures)
+    cases += submit_queue_cases(t, broken, failures)
     for check, tpl, *needle in cases:
         found = run_checks(tpl, readme, sources)[check]
         if not found:
@@ -616,9 +906,9 @@ def self_test(t, readme, sources):
 def delivery_cases(t, broken, failures):
     """Broken copies for the `delivery` check, and for `secrets` on a function with its own role."""
     table = "TasksTable"
-    events = stream_events(t, table)
+    events = delivery_stream_events(t, table)
     if not events:
-        failures.append("delivery: the template has no function reading the table's stream to break")
+        failures.append("delivery: the template has no delivery function reading the table's stream to break")
         return []
     fn, ev_name, _ = events[0]
     role = role_of(t, t["Resources"][fn])
@@ -666,7 +956,9 @@ def delivery_cases(t, broken, failures):
         ("delivery", broken(lambda c: tbl(c).__setitem__("StreamSpecification", {"StreamViewType": "KEYS_ONLY"})), "NEW_IMAGE"),
         ("delivery", broken(lambda c: tbl(c).pop("StreamSpecification", None)), "NEW_IMAGE"),
         ("delivery", broken(drop_index("due-for-delivery")), "no index due-for-delivery"),
-        ("delivery", broken(lambda c: tbl(c)["GlobalSecondaryIndexes"][-1].__setitem__("Projection", {"ProjectionType": "ALL"})), "projection is not KEYS_ONLY"),
+        ("delivery", broken(lambda c: next(g for g in tbl(c)["GlobalSecondaryIndexes"] if g["IndexName"] == "due-for-delivery").__setitem__("Projection", {"ProjectionType": "ALL"})), "projection is not KEYS_ONLY"),
+        # The submitter reads the stream too: it is not the delivery function.
+        ("delivery", broken(lambda c: c["Resources"][fn]["Properties"]["Events"].pop(ev_name)), "no function but the submitter reads"),
         ("delivery", broken(lambda c: ev(c).pop("DestinationConfig")), "no OnFailure"),
         ("delivery", broken(lambda c: ev(c).pop("FilterCriteria")), "no FilterCriteria"),
         # `exists` on the attribute itself (no type) never matches a stream record.
@@ -700,6 +992,159 @@ def delivery_cases(t, broken, failures):
         ("secrets", broken(drop_statements("secretsmanager:GetSecretValue", keep_if=True)), "is not conditional"),
         ("secrets", broken(drop_statements("ssm:GetParameter")), "no ssm:GetParameter"),
     ])
+
+
+def submit_queue_cases(t, broken, failures):
+    """Broken copies for the `submit-queue` check (and for `secrets` on the submitter's role)."""
+    table = "TasksTable"
+    res = t["Resources"]
+    submitters, apis = submitter_functions(t), tasks_functions(t)
+    if not (submitters and apis):
+        failures.append("submit-queue: the template has no submitter or no function serving /tasks to break")
+        return []
+    fn, api = submitters[0], apis[0]
+    role = role_of(t, res[fn])
+    wake = next((e[1] for e in stream_events(t, table) if e[0] == fn), None)
+    gsi = next((g for g in res[table]["Properties"].get("GlobalSecondaryIndexes", []) if g.get("IndexName") == SUBMIT_QUEUE_INDEX), None)
+    if None in (role, wake, gsi) or api_queue_findings(t, api, table):
+        failures.append(f"submit-queue: the template lacks the {SUBMIT_QUEUE_INDEX} index, {fn}'s role or stream event, or {api}'s Query on the index to break")
+        return []
+    props = lambda c, name: c["Resources"][name]["Properties"]
+    env = lambda c, name: props(c, name)["Environment"]["Variables"]
+    ev = lambda c: props(c, fn)["Events"][wake]["Properties"]
+    statements = lambda c: props(c, role)["Policies"][0]["PolicyDocument"]["Statement"]
+    api_statements = lambda c: props(c, api)["Policies"][0]["Statement"]
+    index = lambda c: next(g for g in props(c, table)["GlobalSecondaryIndexes"] if g["IndexName"] == SUBMIT_QUEUE_INDEX)
+
+    def define(attr, typ):
+        return lambda c: props(c, table).__setitem__("AttributeDefinitions", [
+            d for d in props(c, table)["AttributeDefinitions"] if d["AttributeName"] != attr] + ([{"AttributeName": attr, "AttributeType": typ}] if typ else []))
+
+    def set_patterns(*patterns):
+        return lambda c: ev(c).__setitem__("FilterCriteria", {"Filters": [{"Pattern": p if isinstance(p, str) else json.dumps(p)} for p in patterns]})
+
+    def add_statement(st):
+        return lambda c: statements(c).append(st)
+
+    def drop_action(get, action):
+        """Remove `action` from every statement `get` returns (a statement left with none, or an
+        Fn::If naming it, goes)."""
+        def f(c):
+            out = []
+            for st in get(c):
+                if isinstance(st, dict) and "Fn::If" in st and action in json.dumps(st).lower():
+                    continue
+                if isinstance(st, dict) and "Action" in st:
+                    st["Action"] = [a for a in listify(st["Action"]) if a.lower() != action]
+                    if not st["Action"]:
+                        continue
+                out.append(st)
+            get(c)[:] = out
+        return f
+
+    def unwrap_if(action):
+        """Make the conditional grant of `action` unconditional (its true arm)."""
+        return lambda c: statements(c).__setitem__(slice(None), [
+            st["Fn::If"][1] if isinstance(st, dict) and "Fn::If" in st and action in json.dumps(st) else st for st in statements(c)])
+
+    def only_sam_policies(c):
+        props(c, fn).pop("Role")
+        props(c, fn)["Policies"] = [{"Statement": copy.deepcopy(statements(c))}]
+        c["Resources"].pop(role)
+
+    wake_key = WAKE_PATTERN["dynamodb"]["Keys"]["pk"]["S"][0]
+    table_arn = {"Fn::GetAtt": [table, "Arn"]}
+    index_arn = {"Fn::Sub": f"${{{table}.Arn}}/index/{SUBMIT_QUEUE_INDEX}"}
+    more = "lets through more than the wake item"
+    cases = [
+        ("submit-queue", broken(lambda c: props(c, table).__setitem__("GlobalSecondaryIndexes", [
+            g for g in props(c, table)["GlobalSecondaryIndexes"] if g["IndexName"] != SUBMIT_QUEUE_INDEX])), f"no index {SUBMIT_QUEUE_INDEX}"),
+        ("submit-queue", broken(lambda c: index(c).__setitem__("KeySchema", [
+            {"AttributeName": "sq_at", "KeyType": "HASH"}, {"AttributeName": "sq_key", "KeyType": "RANGE"}])), f"index {SUBMIT_QUEUE_INDEX} keys"),
+        ("submit-queue", broken(lambda c: index(c).__setitem__("Projection", {"ProjectionType": "ALL"})), "projection is not KEYS_ONLY"),
+        ("submit-queue", broken(define("sq_key", "N")), "sq_key is not defined as S"),
+        ("submit-queue", broken(define("sq_at", "S")), "sq_at is not defined as N"),
+        ("submit-queue", broken(define("sq_at", None)), "sq_at is not defined as N"),
+        ("submit-queue", broken(lambda c: c["Resources"][fn]["Metadata"]["BuildProperties"].__setitem__("Binary", "relay-other")), f"no function is built from {SUBMITTER_BINARY}"),
+        ("submit-queue", broken(lambda c: props(c, fn)["Events"].pop(wake)), f"does not read {table}'s stream"),
+        ("submit-queue", broken(lambda c: ev(c).pop("FilterCriteria")), "no FilterCriteria"),
+        ("submit-queue", broken(set_patterns("{not json")), "not JSON"),
+        ("submit-queue", broken(set_patterns({"dynamodb": {"Keys": {"pk": {"S": [{"prefix": "submitq#"}]}}}})), more),
+        ("submit-queue", broken(set_patterns({"dynamodb": {"Keys": {"pk": {"S": [wake_key, "submitq#state"]}}}})), more),
+        ("submit-queue", broken(set_patterns({"dynamodb": {"NewImage": {"sq_key": {"S": [{"exists": True}]}}}})), more),
+        ("submit-queue", broken(set_patterns(WAKE_PATTERN, {"dynamodb": {"Keys": {"pk": {"S": [{"exists": True}]}}}})), more),
+        # The API updates the wake item (MODIFY): an INSERT-only filter misses most wake-ups.
+        ("submit-queue", broken(set_patterns({"eventName": ["INSERT"], **WAKE_PATTERN})), "adds conditions"),
+        ("submit-queue", broken(lambda c: ev(c).__setitem__("MaximumBatchingWindowInSeconds", 1)), "MaximumBatchingWindowInSeconds is 1"),
+        ("submit-queue", broken(lambda c: [props(c, fn)["Events"].pop(k) for k, e in list(props(c, fn)["Events"].items()) if e["Type"] in ("ScheduleV2", "Schedule")]), "no schedule"),
+        ("submit-queue", broken(lambda c: env(c, fn).pop("CALLBACK_GRACE_SECS")), "CALLBACK_GRACE_SECS is null"),
+        ("submit-queue", broken(lambda c: env(c, fn).__setitem__("CALLBACK_GRACE_SECS", "30")), 'CALLBACK_GRACE_SECS is "30"'),
+        ("submit-queue", broken(only_sam_policies), "no Role of its own"),
+        ("submit-queue", broken(lambda c: props(c, role).__setitem__("ManagedPolicyArns", ["arn:aws:iam::aws:policy/service-role/AWSLambdaDynamoDBExecutionRole"])), "managed policies"),
+        ("submit-queue", broken(add_statement({"Effect": "Allow", "Action": "dynamodb:PutItem", "Resource": table_arn})), "dynamodb:putitem, beyond"),
+        ("submit-queue", broken(add_statement({"Effect": "Allow", "Action": "dynamodb:*", "Resource": table_arn})), "dynamodb:*, beyond"),
+        ("submit-queue", broken(add_statement({"Effect": "Allow", "Action": "dynamodb:GetItem", "Resource": "*"})), "on *"),
+        ("submit-queue", broken(add_statement({"Effect": "Allow", "Action": "kms:Decrypt", "Resource": "*"})), "on *"),
+        ("submit-queue", broken(add_statement({"Effect": "Allow", "Action": "dynamodb:GetItem", "Resource": index_arn})), f"only on {table} itself"),
+        ("submit-queue", broken(add_statement({"Effect": "Allow", "Action": "dynamodb:UpdateItem", "Resource": {"Fn::Sub": f"${{{table}.Arn}}*"}})), f"only on {table} itself"),
+        ("submit-queue", broken(add_statement({"Effect": "Allow", "Action": "dynamodb:Query", "Resource": table_arn})), f"only on {table}'s {SUBMIT_QUEUE_INDEX} index"),
+        ("submit-queue", broken(add_statement({"Effect": "Allow", "Action": "dynamodb:Query", "Resource": {"Fn::Sub": f"${{{table}.Arn}}/index/due-for-delivery"}})), f"only on {table}'s {SUBMIT_QUEUE_INDEX} index"),
+        ("submit-queue", broken(add_statement({"Effect": "Allow", "Action": "dynamodb:Scan", "Resource": {"Fn::Sub": f"${{{table}.Arn}}/index/*"}})), f"only on {table}'s {SUBMIT_QUEUE_INDEX} index"),
+        ("submit-queue", broken(add_statement({"Effect": "Allow", "Action": "dynamodb:GetRecords", "Resource": table_arn})), f"only on {table}'s stream"),
+        ("submit-queue", broken(add_statement({"Effect": "Allow", "Action": "sqs:SendMessage", "Resource": {"Fn::GetAtt": ["PoisonQueue", "Arn"]}})), "only on its DEAD_LETTER_QUEUE_URL queue"),
+        ("submit-queue", broken(add_statement({"Effect": "Allow", "Action": "logs:PutLogEvents", "Resource": {"Fn::GetAtt": ["DeliveryLogGroup", "Arn"]}})), "only on its log group"),
+        ("submit-queue", broken(add_statement({"Effect": "Allow", "NotAction": "iam:*", "Resource": table_arn})), "NotAction/NotResource"),
+        ("submit-queue", broken(add_statement({"Effect": "Allow", "Action": "dynamodb:GetItem", "NotResource": table_arn})), "NotAction/NotResource"),
+        ("submit-queue", broken(lambda c: env(c, fn).pop("DEAD_LETTER_QUEUE_URL")), "DEAD_LETTER_QUEUE_URL does not name"),
+        ("submit-queue", broken(drop_action(api_statements, "dynamodb:query")), f"{api}: no dynamodb:Query on {table}'s {SUBMIT_QUEUE_INDEX} index"),
+        ("secrets", broken(drop_action(statements, "ssm:getparameter")), "no ssm:GetParameter"),
+        ("secrets", broken(drop_action(statements, "secretsmanager:getsecretvalue")), "may name a Secrets Manager secret"),
+        ("secrets", broken(unwrap_if("secretsmanager:GetSecretValue")), "is not conditional"),
+    ]
+    for var in QUEUE_VARS:
+        cases += [
+            ("submit-queue", broken(lambda c, var=var: env(c, fn).__setitem__(var, "1")), f"{var}: {api} sets"),
+            ("submit-queue", broken(lambda c, var=var: env(c, api).pop(var, None)), f"{api}: {var} is not set"),
+            ("submit-queue", broken(lambda c, var=var: env(c, fn).pop(var, None)), f"{fn}: {var} is not set"),
+        ]
+    for action, kind in SUBMITTER_GRANTS.items():
+        if kind is not None:
+            cases.append(("submit-queue", broken(drop_action(statements, action)), f"grants no {action}"))
+    return cases + submit_alarm_cases(t, broken, failures, fn)
+
+
+def alarm_metric(c, alarm, namespace, metric=None):
+    """The metric dict (Namespace, MetricName, Dimensions) an alarm reads from `namespace`."""
+    p = c["Resources"][alarm]["Properties"]
+    found = [p] if p.get("MetricName") else [(m.get("MetricStat") or {}).get("Metric") or {} for m in p.get("Metrics", [])]
+    return next(m for m in found if m.get("Namespace") == namespace and metric in (None, m.get("MetricName")))
+
+
+def submit_alarm_cases(t, broken, failures, fn):
+    cases = []
+    for alarm, watches in SUBMIT_ALARMS.items():
+        if alarm not in t["Resources"] or any(f.startswith(f"{alarm}:") for f in submit_alarm_findings(t, [fn])):
+            failures.append(f"submit-queue: the template has no sound {alarm} to break")
+            continue
+        props = lambda c, alarm=alarm: c["Resources"][alarm]["Properties"]
+        cases += [
+            ("submit-queue", broken(lambda c, alarm=alarm: c["Resources"].pop(alarm)), f"no {alarm}"),
+            ("submit-queue", broken(lambda c, alarm=alarm: props(c, alarm).pop("AlarmActions")), f"{alarm}: its AlarmActions notify no SNS topic"),
+        ]
+        for namespace, metric in watches:
+            dim, value, needle = (("FunctionName", {"Ref": "DeliveryFunction"}, "of FunctionName") if namespace == "AWS/Lambda"
+                                  else ("service", "api", "without dimension service = submitter"))
+            cases += [
+                ("submit-queue", broken(lambda c, a=alarm, n=namespace, m=metric: alarm_metric(c, a, n, m).__setitem__("MetricName", m + "_other")), f"{alarm}: does not watch {namespace} {metric}"),
+                ("submit-queue", broken(lambda c, a=alarm, n=namespace, m=metric, d=dim, v=value: alarm_metric(c, a, n, m).__setitem__("Dimensions", [{"Name": d, "Value": v}])), f"{alarm}: {metric} {needle}"),
+            ]
+    for alarm, want in SUBMIT_ALARM_THRESHOLDS.items():
+        if alarm in t["Resources"]:
+            cases += [
+                ("submit-queue", broken(lambda c, a=alarm: c["Resources"][a]["Properties"].__setitem__("Threshold", 300)), f"{alarm}: Threshold is 300"),
+                ("submit-queue", broken(lambda c, a=alarm: c["Resources"][a]["Properties"].__setitem__("Threshold", {"Ref": "QueueMaxWaitSeconds"})), f"{alarm}: Threshold is"),
+            ]
+    return cases
 
 
 def main():

@@ -45,12 +45,28 @@ async fn sigkill_mid_run_then_restart_on_the_same_data_completes_every_task_once
             .await?
             .json()
             .await?;
-        refs.push((
-            v["task_ref"].as_str().unwrap_or_default().to_owned(),
-            v["captcha_id"].as_str().unwrap_or_default().to_owned(),
-        ));
+        refs.push(v["task_ref"].as_str().unwrap_or_default().to_owned());
         // The relay paces submits at 14 a second (CaptchaAI bans more than 60 in 3 s).
         tokio::time::sleep(Duration::from_millis(80)).await;
+    }
+    // Every task sent (those a burst queued, too): this test kills the relay after in.php
+    // answered, before the pingbacks (a kill during a send is the burst test's).
+    let sent_by = Instant::now() + Duration::from_secs(10);
+    for r in &refs {
+        loop {
+            let v: serde_json::Value = http
+                .get(format!("http://127.0.0.1:{port}/tasks/{r}"))
+                .bearer_auth(KILL_KEY)
+                .send()
+                .await?
+                .json()
+                .await?;
+            if v.get("captcha_id").is_some() {
+                break;
+            }
+            anyhow::ensure!(Instant::now() < sent_by, "{r} never sent: {v}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
     // SIGKILL: no shutdown, no flush. The pingbacks that come now find nobody.
     relay.0.kill()?;
@@ -61,8 +77,14 @@ async fn sigkill_mid_run_then_restart_on_the_same_data_completes_every_task_once
     let _relay = spawn_relay(port, &data, &fake);
     wait_healthy(&http, port).await?;
     let until = Instant::now() + Duration::from_secs(60);
-    for (r, id) in &refs {
-        let want = fake.task(id).and_then(|t| t.answer).expect("the fake solved it");
+    // What the fake solved, by our task (its signed pingback path names it).
+    let answer_for = |r: &str| {
+        fake.tasks()
+            .into_iter()
+            .find(|t| t.pingback.as_deref().is_some_and(|p| p.split('/').rev().nth(1) == Some(r)))
+            .and_then(|t| t.answer)
+    };
+    for r in &refs {
         loop {
             let v: serde_json::Value = http
                 .get(format!("http://127.0.0.1:{port}/tasks/{r}"))
@@ -72,7 +94,7 @@ async fn sigkill_mid_run_then_restart_on_the_same_data_completes_every_task_once
                 .json()
                 .await?;
             if v["status"] == "solved" {
-                assert_eq!(v["solution"].as_str(), Some(want.as_str()), "{r}");
+                assert_eq!(v["solution"].as_str(), answer_for(r).as_deref(), "{r}: the fake's answer");
                 break;
             }
             anyhow::ensure!(Instant::now() < until, "{r} never completed: {v}");

@@ -57,8 +57,9 @@ pub struct SubmitterSettings {
     pub safety_margin: Duration,
     /// Longest wait for one in.php answer (the client's timeout).
     pub submit_timeout: Duration,
-    /// A released task that answered, or whose in.php call is in flight, counts in work for at
-    /// least this long (the index may not list it yet).
+    /// A released task counts in work for at least this long after its release (DynamoDB may
+    /// not list it in the index yet: a global secondary index is eventually consistent, typically
+    /// within a second).
     pub index_lag: Duration,
     /// Nothing is sent for this long after in.php refused for now (a server error code, a
     /// connection that never opened).
@@ -76,7 +77,7 @@ impl Default for SubmitterSettings {
             period: Duration::from_secs(60),
             safety_margin: Duration::from_secs(2),
             submit_timeout: Duration::from_secs(15),
-            index_lag: Duration::from_secs(3),
+            index_lag: Duration::from_secs(1),
             transient_pause: Duration::from_secs(2),
         }
     }
@@ -271,6 +272,8 @@ pub async fn run(
         lanes: HashMap::new(),
         fair: Fair::default(),
         mine: HashMap::new(),
+        released: BTreeSet::new(),
+        seen: None,
         released_at: VecDeque::new(),
         api_no_slots: state.api_no_slots,
         pause_until: start,
@@ -283,7 +286,12 @@ pub async fn run(
     loop {
         let now = clock.now();
         report.max_queued = report.max_queued.max(state.queued);
-        in_flight = r.in_flight(now, &mut report).await.unwrap_or(in_flight);
+        let counted = r.in_flight(now, &mut report).await.unwrap_or(in_flight);
+        if counted < in_flight {
+            // A task finished (its result recorded): progress, for the window's stall rule.
+            r.window.finished(now);
+        }
+        in_flight = counted;
         report.max_in_flight = report.max_in_flight.max(in_flight);
         // "No slot" answers inline submits met since the last look: the plan is full.
         if state.api_no_slots > r.api_no_slots {
@@ -291,6 +299,14 @@ pub async fn run(
             r.api_no_slots = state.api_no_slots;
         }
         let breaker = state.breaker.open_for_submits_at(now);
+        tracing::debug!(
+            event = "submitter_tick",
+            in_flight,
+            limit = r.window.limit(now),
+            gate = ?r.window.gate(in_flight, now),
+            queued = state.queued,
+            "a look at the queue"
+        );
         if breaker.is_none() && now < send_until {
             r.release(&state, &mut in_flight, &mut calls, wake.is_some(), &mut report).await;
         } else {
@@ -379,9 +395,12 @@ struct Run<'a> {
     window: Window,
     lanes: HashMap<String, Lane>,
     fair: Fair,
-    /// Tasks this run sent: since when (counted in work while their call is out, and for
-    /// `index_lag` after).
+    /// Tasks this run released: when (counted in work for `index_lag`, whatever the index says).
     mine: HashMap<TaskRef, Timestamp>,
+    /// Tasks this run released that the index may still list (not inline submits).
+    released: BTreeSet<TaskRef>,
+    /// What the index listed in work at the last look (`None` before the first).
+    seen: Option<BTreeSet<TaskRef>>,
     /// When each release of the last minute was made.
     released_at: VecDeque<Timestamp>,
     /// The count of inline "no slot" answers already taken into the window.
@@ -395,13 +414,27 @@ struct Run<'a> {
 impl Run<'_> {
     /// Tasks CaptchaAI may be working on: the index's in-work entries and this run's own
     /// recent sends. `None` if the index could not be read.
+    ///
+    /// Tasks that appear in work without this run having sent them were sent inline by the API
+    /// with a permit, and CaptchaAI took them: the window learns from them as from its own.
     async fn in_flight(&mut self, now: Timestamp, report: &mut RunReport) -> Option<u32> {
         let lag = self.deps.settings.index_lag;
-        self.mine.retain(|_, at| now.since(*at) < lag || *at > now);
+        self.mine.retain(|_, at| now.since(*at) < lag);
         match self.deps.store.in_work(now).await {
             Ok(refs) => {
-                let mut all: BTreeSet<TaskRef> = refs.into_iter().collect();
+                let listed: BTreeSet<TaskRef> = refs.into_iter().collect();
+                let mut all = listed.clone();
                 all.extend(self.mine.keys().cloned());
+                if let Some(seen) = &self.seen {
+                    let inline: Vec<&TaskRef> =
+                        listed.iter().filter(|r| !seen.contains(*r) && !self.released.contains(*r)).collect();
+                    let before = (all.len() - inline.len()) as u32;
+                    for (i, _) in inline.iter().enumerate() {
+                        self.window.accepted(before + i as u32, now);
+                    }
+                }
+                self.released.retain(|r| listed.contains(r) || self.mine.contains_key(r));
+                self.seen = Some(listed);
                 Some(all.len() as u32)
             }
             Err(e) => {
@@ -646,6 +679,7 @@ impl Run<'_> {
             };
             self.uncount(&lane, report).await;
             self.mine.insert(released.task.task_ref.clone(), now);
+            self.released.insert(released.task.task_ref.clone());
             self.released_at.push_back(now);
             report.released += 1;
             let sent_with = *in_flight;
@@ -687,7 +721,6 @@ impl Run<'_> {
             InPhp::Accepted(id) => {
                 report.accepted += 1;
                 self.window.accepted(in_flight, now);
-                self.mine.insert(task.task_ref.clone(), now);
                 recorder.accepted(task, &id, self.deps.grace.for_kind(task.kind)).await;
             }
             InPhp::Unknown(err) => {

@@ -677,3 +677,224 @@ impl TaskStore {
         condition_held(res)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::domain::{CaptchaId, CaptchaKind, Delivery, Outcome, Solution, Via};
+    use crate::store::{Created, RecordOutcome, Stop};
+    use crate::testkit::LocalDynamo;
+
+    fn t(secs: u64) -> Timestamp {
+        Timestamp::from_millis(1_796_210_146_000 + secs * 1000)
+    }
+
+    const LANE: &str = "0123456789abcdef.t";
+
+    fn turnstile() -> SubmitRequest {
+        SubmitRequest::Turnstile {
+            sitekey: "0x4AAA".into(),
+            pageurl: "https://shop.example/".into(),
+            action: Some("login".into()),
+            data: None,
+        }
+    }
+
+    async fn queue_one(store: &TaskStore, at: u64) -> anyhow::Result<Task> {
+        let task = Task::queued(TaskRef::generate(), CaptchaKind::Turnstile, t(at), LANE.into());
+        assert!(matches!(store.reserve_queue(LANE, 100, 100, false).await?, Reserved::Yes(_)));
+        assert_eq!(store.create_queued(&task, &turnstile(), "https://relay/callback/x/y", None).await?, Created::New);
+        Ok(task)
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_task_counts_in_work_from_its_send_to_its_result_or_its_longest_solve() -> anyhow::Result<()> {
+        let db = LocalDynamo::start().await?;
+        let store = db.fresh_store().await?;
+        let task = Task::new(TaskRef::generate(), CaptchaKind::Turnstile, t(0));
+        store.create(&task, t(600), None).await?;
+        assert_eq!(store.in_work(t(1)).await?, vec![task.task_ref.clone()], "counted before in.php answers");
+        let id = CaptchaId::parse("7001")?;
+        store.mark_submitted(&task.task_ref, &id, t(1), t(21)).await?;
+        assert_eq!(store.in_work(t(2)).await?.len(), 1);
+        assert!(store.in_work(t(90)).await?.is_empty(), "CaptchaAI gives up after 90 s: the thread is free");
+        let d = Delivery {
+            captcha_id: id,
+            outcome: Outcome::Solved(Solution::parse("tok")?),
+            received_at: t(5),
+            via: Via::Callback,
+            token_clock_start: t(5),
+        };
+        assert!(matches!(store.record_result(&task.task_ref, &d).await?, RecordOutcome::Recorded(_)));
+        assert!(store.in_work(t(6)).await?.is_empty(), "the result write ends it");
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn queued_tasks_are_listed_oldest_first_released_once_and_put_back_at_their_place() -> anyhow::Result<()> {
+        let db = LocalDynamo::start().await?;
+        let store = db.fresh_store().await?;
+        let a = queue_one(&store, 1).await?;
+        let b = queue_one(&store, 2).await?;
+        let c = queue_one(&store, 3).await?;
+        let heads: Vec<TaskRef> = store.queue_heads(LANE, 10).await?.into_iter().map(|h| h.task_ref).collect();
+        assert_eq!(heads, vec![a.task_ref.clone(), b.task_ref.clone(), c.task_ref.clone()]);
+        assert_eq!(store.queue_ahead(LANE, t(3), 100).await?, 2, "c has two ahead");
+        let st = store.submit_state().await?;
+        assert_eq!((st.queued, st.lanes.get(LANE).copied()), (3, Some(3)));
+        assert!(store.in_work(t(4)).await?.is_empty(), "queued is not in work");
+
+        // Released: submitting, in work, with what in.php needs; only once.
+        let r = store.release(&a.task_ref, t(10), t(310), t(375)).await?.expect("queued");
+        assert_eq!((r.request, r.lane.as_str(), r.queued_at), (turnstile(), LANE, t(1)));
+        assert_eq!(r.pingback, "https://relay/callback/x/y");
+        assert!(matches!(r.task.state, TaskState::Submitting { unknown: None }));
+        assert_eq!(r.task.released_at, Some(t(10)));
+        assert_eq!(r.task.submitted_or_created_at(), t(10), "its deadlines count from the release");
+        assert!(store.release(&a.task_ref, t(10), t(310), t(375)).await?.is_none(), "never twice");
+        store.count_queued(LANE, -1).await?;
+        assert_eq!(store.in_work(t(11)).await?, vec![a.task_ref.clone()]);
+        let due = store.due_page(a.task_ref.shard(crate::store::POLL_SHARDS), t(375), 10, None).await?;
+        assert!(due.tasks.iter().any(|d| d.task.task_ref == a.task_ref), "the poller sees it at its deadline");
+
+        // No free thread: back at its place, ahead of b.
+        store.count_queued(LANE, 1).await?;
+        assert!(store.requeue(&a.task_ref, LANE, r.queued_at).await?);
+        let heads: Vec<TaskRef> = store.queue_heads(LANE, 10).await?.into_iter().map(|h| h.task_ref).collect();
+        assert_eq!(heads.first(), Some(&a.task_ref));
+        assert!(store.in_work(t(12)).await?.is_empty());
+        let back = store.get(&a.task_ref).await?.expect("stored");
+        assert_eq!((back.state.name(), back.released_at), ("queued", None));
+
+        // A release whose answer was lost is never put back (it may have been taken).
+        let r = store.release(&a.task_ref, t(20), t(320), t(385)).await?.expect("queued again");
+        store.mark_submit_unknown(&a.task_ref, "cut").await?;
+        assert!(!store.requeue(&a.task_ref, LANE, r.queued_at).await?, "an unknown outcome stays unknown");
+        // A task in.php took is never put back either.
+        let rb = store.release(&b.task_ref, t(21), t(321), t(386)).await?.expect("queued");
+        store.mark_submitted(&b.task_ref, &CaptchaId::parse("7002")?, t(21), t(41)).await?;
+        assert!(!store.requeue(&b.task_ref, LANE, rb.queued_at).await?);
+        let b_now = store.get(&b.task_ref).await?.expect("stored");
+        assert_eq!(b_now.state.name(), "pending");
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_task_that_waited_too_long_fails_unsent_and_its_push_falls_due() -> anyhow::Result<()> {
+        let db = LocalDynamo::start().await?;
+        let store = db.fresh_store().await?;
+        let task = Task {
+            owner_callback: Some("https://owner.example/hook".into()),
+            webhook_owner: Some("default".into()),
+            ..Task::queued(TaskRef::generate(), CaptchaKind::Image, t(0), LANE.into())
+        };
+        store.reserve_queue(LANE, 10, 10, false).await?;
+        store.create_queued(&task, &turnstile(), "https://relay/cb", None).await?;
+        let failed = store
+            .fail_unsent(&task.task_ref, true, crate::submit::QUEUE_TIMEOUT, "waited too long", t(600))
+            .await?
+            .expect("it was queued");
+        assert!(
+            matches!(&failed.state, TaskState::Failed { code, via: Via::Submit, .. } if code.as_ref() == crate::submit::QUEUE_TIMEOUT)
+        );
+        assert_eq!(failed.delivery.map(|d| d.status), Some(crate::domain::DeliveryStatus::Pending), "its owner hears");
+        assert!(store.queue_heads(LANE, 10).await?.is_empty(), "out of the queue");
+        assert!(store.fail_unsent(&task.task_ref, true, "X", "again", t(601)).await?.is_none());
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn permits_are_taken_only_while_nobody_waits_and_the_breaker_lets_submits_through() -> anyhow::Result<()> {
+        let db = LocalDynamo::start().await?;
+        let store = db.fresh_store().await?;
+        // Before any submitter published: the window's starting size.
+        assert_eq!(store.take_permit(t(0), 2).await?, Permit::Taken);
+        assert_eq!(store.take_permit(t(0), 2).await?, Permit::Taken);
+        let Permit::Refused(st) = store.take_permit(t(0), 2).await? else { panic!("none left") };
+        assert_eq!(st.permits, Some(0));
+        store.give_back_permit().await?;
+        assert_eq!(store.take_permit(t(0), 2).await?, Permit::Taken);
+        // Published permits, but a task waits: it goes first.
+        store.releaser_lease("me", t(1), t(11), Some(&Publish { permits: 5, ..Publish::default() })).await?;
+        queue_one(&store, 1).await?;
+        assert!(matches!(store.take_permit(t(2), 2).await?, Permit::Refused(_)));
+        store.count_queued(LANE, -1).await?;
+        assert_eq!(store.take_permit(t(2), 2).await?, Permit::Taken);
+        // A ban stops inline submits; a pause for res.php answers does not.
+        store.open_breaker(t(100), "MAX_USER_TURN", Stop::Ban { needs_operator: false }, t(3)).await?;
+        let Permit::Refused(st) = store.take_permit(t(4), 2).await? else { panic!("banned") };
+        assert_eq!(st.breaker.open_for_submits_at(t(4)), Some(t(100)));
+        assert_eq!(store.take_permit(t(100), 2).await?, Permit::Taken, "the ban is over");
+        store.open_breaker(t(200), "timeouts", Stop::NoAnswers, t(101)).await?;
+        assert_eq!(store.take_permit(t(102), 2).await?, Permit::Taken);
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn the_queue_is_bounded_per_lane_and_in_all_and_a_no_slot_stops_permits() -> anyhow::Result<()> {
+        let db = LocalDynamo::start().await?;
+        let store = db.fresh_store().await?;
+        let other = "fedcba9876543210.i";
+        assert!(matches!(store.reserve_queue(LANE, 2, 3, false).await?, Reserved::Yes(_)));
+        assert!(matches!(store.reserve_queue(LANE, 2, 3, false).await?, Reserved::Yes(_)));
+        assert_eq!(store.reserve_queue(LANE, 2, 3, false).await?, Reserved::Full { owner: true, depth: 2, bound: 2 });
+        let Reserved::Yes(st) = store.reserve_queue(other, 2, 3, true).await? else { panic!("room in all") };
+        assert_eq!((st.queued, st.api_no_slots, st.permits), (3, 1, Some(0)), "no more inline submits");
+        assert_eq!(store.reserve_queue(other, 2, 3, false).await?, Reserved::Full { owner: false, depth: 3, bound: 3 });
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn one_submitter_holds_the_lease_until_it_leaves_or_lets_it_lapse() -> anyhow::Result<()> {
+        let db = LocalDynamo::start().await?;
+        let store = db.fresh_store().await?;
+        let publish = Publish { permits: 3, window: "{}".into(), released_per_minute: 42 };
+        assert!(store.releaser_lease("a", t(0), t(10), Some(&publish)).await?.is_some());
+        assert!(store.releaser_lease("b", t(5), t(15), None).await?.is_none(), "held");
+        let st = store.releaser_lease("a", t(5), t(15), None).await?.expect("renewed");
+        assert!(st.releaser_live(t(14)) && !st.releaser_live(t(15)));
+        assert_eq!((st.permits, st.released_per_minute, st.window.as_deref()), (Some(3), 42, Some("{}")));
+        assert!(store.releaser_lease("b", t(15), t(25), None).await?.is_some(), "lapsed: taken over");
+        store.releaser_leave("a", &publish).await?;
+        assert!(store.submit_state().await?.releaser_live(t(16)), "a left nothing: b holds it");
+        store.releaser_leave("b", &publish).await?;
+        assert!(!store.submit_state().await?.releaser_live(t(16)));
+        assert!(store.releaser_lease("c", t(16), t(26), None).await?.is_some());
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_count_a_crash_left_wrong_is_set_right_against_the_index() -> anyhow::Result<()> {
+        let db = LocalDynamo::start().await?;
+        let store = db.fresh_store().await?;
+        queue_one(&store, 1).await?;
+        // A crash between a reservation and its put: counted, never queued.
+        store.reserve_queue("0000000000000000.t", 10, 10, false).await?;
+        // And a task whose count was lost.
+        let lost = Task::queued(TaskRef::generate(), CaptchaKind::Image, t(2), "1111111111111111.i".into());
+        store.create_queued(&lost, &turnstile(), "https://relay/cb", None).await?;
+        let listed = store.queued_lanes().await?;
+        assert_eq!(listed.get(LANE), Some(&1));
+        assert_eq!(listed.get("1111111111111111.i"), Some(&1));
+        assert_eq!(listed.get("0000000000000000.t"), None);
+        assert!(store.reconcile_lane("0000000000000000.t", 1, 0).await?);
+        assert!(store.reconcile_lane("1111111111111111.i", 0, 1).await?);
+        assert!(!store.reconcile_lane(LANE, 5, 0).await?, "a count that changed meanwhile is left alone");
+        let st = store.submit_state().await?;
+        assert_eq!(st.queued, 2);
+        assert_eq!(st.lanes.keys().cloned().collect::<Vec<_>>(), vec![LANE.to_owned(), "1111111111111111.i".into()]);
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn the_wake_item_is_written_at_most_once_a_second() -> anyhow::Result<()> {
+        let db = LocalDynamo::start().await?;
+        let store = db.fresh_store().await?;
+        assert!(store.wake_submitter(t(0)).await?);
+        assert!(!store.wake_submitter(t(0).plus(Duration::from_millis(500))).await?);
+        assert!(store.wake_submitter(t(1).plus(Duration::from_millis(1))).await?);
+        Ok(())
+    }
+}

@@ -6,16 +6,21 @@
 //! The submit queue therefore sends a task only while fewer than [`Window::limit`] of its tasks
 //! are in work, and learns the limit the way TCP learns a path's capacity:
 //! - **slow start**: with no "no slot" answer seen, each task CaptchaAI takes widens the window
-//!   by one (it doubles every round of solves), so a bigger plan is found in a few seconds;
+//!   by two (one for itself, one more: it doubles with every round of in.php answers), so the
+//!   plan is found within a second;
 //! - **a "no slot" answer** says the plan is full at the number of tasks in work when it was
-//!   sent (`full_at`): the window drops to 90 % of that level, nothing is sent for `hold`, and
-//!   the window is held at that level;
+//!   sent (`full_at`): the window drops to that level less one (less 10 % for a large one),
+//!   nothing is sent for `hold`, and the window is held at that level;
 //! - **congestion avoidance**: below `full_at` the window grows by 1/window per task taken, and
 //!   it probes one task above `full_at` only after `probe_wait` (10 s, doubled by each probe
 //!   that is refused, to 5 minutes): a stable plan costs one "no slot" answer per probe. A probe
 //!   that is taken means the plan grew: slow start again;
 //! - **a hard budget**: never more than `no_slot_per_minute` such answers in any 60 s, whatever
 //!   the estimate says (the default 20 is far below both ban rules, and the target of 60);
+//! - **time grows it too**: a full window with no progress for `stall_after` (no task taken, none
+//!   finished; a third of it while the plan's size is still unknown) lets one task through — the tasks it counts may be done already, their pingbacks
+//!   lost (the poller records them only after their grace): a probe, under the same rules (the
+//!   hold, the budget, and above a known full level only when a probe is due);
 //! - a configured thread count (`CAPTCHAAI_THREADS`) is where the window starts and a ceiling
 //!   it never passes, so a known plan is used fully from the first second.
 //!
@@ -48,19 +53,22 @@ pub struct WindowSettings {
     pub probe_wait_max: Duration,
     /// A full level learnt this long ago is forgotten (plans change).
     pub forget_after: Duration,
+    /// A full window with no progress this long lets one task through (see the module docs).
+    pub stall_after: Duration,
 }
 
 impl Default for WindowSettings {
     fn default() -> Self {
         Self {
             threads: None,
-            initial: 2,
+            initial: 10,
             max: 1_000,
             hold: Duration::from_secs(1),
             no_slot_per_minute: 20,
             probe_wait: Duration::from_secs(10),
             probe_wait_max: Duration::from_secs(300),
             forget_after: Duration::from_secs(600),
+            stall_after: Duration::from_secs(3),
         }
     }
 }
@@ -91,6 +99,8 @@ pub struct WindowState {
     pub probe_wait_ms: u64,
     #[serde(default)]
     pub hold_until_ms: u64,
+    #[serde(default)]
+    pub progress_ms: u64,
     /// "No slot" answers of the last minute (epoch ms).
     #[serde(default)]
     pub no_slots: Vec<u64>,
@@ -107,6 +117,8 @@ pub struct Window {
     probe_wait: Duration,
     hold_until: Timestamp,
     no_slots: VecDeque<Timestamp>,
+    /// The last sign of progress: a task taken, one finished, a "no slot" answer.
+    progress: Timestamp,
 }
 
 const MINUTE: Duration = Duration::from_secs(60);
@@ -124,6 +136,7 @@ impl Window {
             probe_wait,
             hold_until: Timestamp::from_millis(0),
             no_slots: VecDeque::new(),
+            progress: Timestamp::from_millis(0),
         }
     }
 
@@ -140,6 +153,7 @@ impl Window {
             w.probe_wait = Duration::from_millis(st.probe_wait_ms).min(w.s.probe_wait_max);
         }
         w.hold_until = Timestamp::from_millis(st.hold_until_ms);
+        w.progress = Timestamp::from_millis(st.progress_ms);
         w.no_slots = st.no_slots.iter().map(|ms| Timestamp::from_millis(*ms)).collect();
         w
     }
@@ -152,6 +166,7 @@ impl Window {
             probe_after_ms: self.probe_after.as_millis(),
             probe_wait_ms: u64::try_from(self.probe_wait.as_millis()).unwrap_or(u64::MAX),
             hold_until_ms: self.hold_until.as_millis(),
+            progress_ms: self.progress.as_millis(),
             no_slots: self.no_slots.iter().map(|t| t.as_millis()).collect(),
         }
     }
@@ -196,11 +211,30 @@ impl Window {
             return Gate::Hold(oldest.plus(MINUTE).plus(Duration::from_millis(1)));
         }
         let limit = self.limit(now);
-        if in_flight < limit { Gate::Open(limit - in_flight) } else { Gate::Full }
+        if in_flight < limit {
+            return Gate::Open(limit - in_flight);
+        }
+        // Before the plan's size is known, a stall costs at most one "no slot" answer, which
+        // ends the guessing: look sooner.
+        let (probe_allowed, stall) = match self.known_full(now) {
+            None => (true, self.s.stall_after / 3),
+            Some(_) => (now >= self.probe_after, self.s.stall_after),
+        };
+        if now >= self.progress.plus(stall) && probe_allowed && in_flight < self.cap() as u32 {
+            // Full, and nothing moved for a while: what it counts in work may be done already.
+            return Gate::Open(1);
+        }
+        Gate::Full
+    }
+
+    /// A task in work finished (its result was recorded): progress, for the stall rule.
+    pub fn finished(&mut self, now: Timestamp) {
+        self.progress = self.progress.max(now);
     }
 
     /// CaptchaAI took a task sent while `in_flight` others were in work.
     pub fn accepted(&mut self, in_flight: u32, now: Timestamp) {
+        self.progress = self.progress.max(now);
         if let Some(full) = self.known_full(now)
             && in_flight >= full
         {
@@ -214,10 +248,12 @@ impl Window {
             return;
         }
         let step = match self.known_full(now) {
-            None => 1.0,
+            // One for the task taken (it stays in work for its solve), one more.
+            None => 2.0,
             Some(_) => 1.0 / self.size.max(1.0),
         };
-        self.size = (self.size + step).min(self.cap());
+        // A task taken above the window (a stall's probe) proves the window at least that big.
+        self.size = (self.size.max(f64::from(in_flight) + 1.0) + step).min(self.cap());
         if let Some(full) = self.known_full(now) {
             // Below the full level it grows; above it only a probe passes (see `limit`).
             self.size = self.size.min(f64::from(full) + 1.0);
@@ -227,6 +263,7 @@ impl Window {
     /// CaptchaAI answered "no free thread" to a task sent while `in_flight` others were in
     /// work.
     pub fn no_slot(&mut self, in_flight: u32, now: Timestamp) {
+        self.progress = self.progress.max(now);
         self.no_slots.push_back(now);
         let from = now.minus(MINUTE);
         while self.no_slots.front().is_some_and(|t| *t < from) {
@@ -242,7 +279,7 @@ impl Window {
         self.full_at = Some(level);
         self.full_seen = now;
         self.probe_after = now.plus(self.probe_wait);
-        self.size = (f64::from(level) * 0.9).floor().max(1.0).min(self.cap());
+        self.size = (f64::from(level) - 1.0).max((f64::from(level) * 0.9).floor()).max(1.0).min(self.cap());
     }
 }
 
@@ -358,6 +395,70 @@ mod tests {
             now += 0.05;
         }
         (taken, refused, peak)
+    }
+
+    #[test]
+    fn tasks_counted_in_work_after_they_finished_do_not_stall_the_queue() {
+        // 30 % of pingbacks lost: those tasks stay counted for 20 s (until the poller reads
+        // them) although their thread is free after 3 s.
+        let mut w = Window::new(WindowSettings::default());
+        let (threads, solve, lost_for) = (10usize, 3.0, 20.0);
+        // (thread free at, counted until)
+        let mut tasks: Vec<(f64, f64)> = Vec::new();
+        let (mut taken, mut refused) = (0u32, 0u32);
+        let mut now = 0.0;
+        let mut n = 0u64;
+        while now < 600.0 {
+            let before = tasks.iter().filter(|(_, counted)| *counted > now).count();
+            tasks.retain(|(_, counted)| *counted > now);
+            if tasks.len() < before {
+                w.finished(t(now));
+            }
+            let counted = tasks.len() as u32;
+            let busy = tasks.iter().filter(|(free, _)| *free > now).count();
+            if let Gate::Open(_) = w.gate(counted, t(now)) {
+                if busy < threads {
+                    n += 1;
+                    let lost = n % 10 < 3;
+                    w.accepted(counted, t(now));
+                    tasks.push((now + solve, now + if lost { lost_for } else { solve }));
+                    taken += 1;
+                } else {
+                    w.no_slot(counted, t(now));
+                    refused += 1;
+                }
+                continue;
+            }
+            now += 0.05;
+        }
+        let share = f64::from(taken) / (600.0 * threads as f64 / solve);
+        println!(
+            "30 % of pingbacks lost: {taken} taken ({share:.3} of the plan), {refused} 'no slot' answers in 10 min"
+        );
+        // The lost ones look busy for 17 s more than they are: the window follows the count up
+        // (stalls, probes), at a cost of a few "no slot" answers a minute.
+        assert!(share > 0.8, "{taken} taken: {share:.3} of the plan");
+        assert!(f64::from(refused) <= 10.0 * 20.0, "{refused} 'no slot' answers in 10 minutes");
+    }
+
+    #[test]
+    fn a_full_window_that_does_not_move_lets_a_probe_through() {
+        let mut w = Window::new(WindowSettings { initial: 2, ..WindowSettings::default() });
+        // Two counted in work that will not finish (their pingbacks lost): full.
+        assert_eq!(w.gate(2, t(0.0)), Gate::Full);
+        assert_eq!(w.gate(2, t(0.9)), Gate::Full);
+        assert_eq!(w.gate(2, t(1.0)), Gate::Open(1), "no progress for 1 s, the plan unknown");
+        w.accepted(2, t(1.1));
+        assert!(w.limit(t(1.1)) >= 5, "taken above the window: slow start goes on from there");
+        // Refused: the plan was full after all; probes then wait for the probe time.
+        let mut w = Window::new(WindowSettings::default());
+        w.no_slot(2, t(5.0));
+        assert_eq!(w.gate(1, t(7.9)), Gate::Full, "the plan known full at 2: 3 s, and a probe due");
+        assert_eq!(w.gate(2, t(11.0)), Gate::Full, "below the full level the window is 1");
+        assert_eq!(w.gate(1, t(11.0)), Gate::Full);
+        assert!(matches!(w.gate(0, t(11.0)), Gate::Open(1)));
+        assert_eq!(w.gate(1, t(14.9)), Gate::Full, "probe not due before 10 s after the answer");
+        assert_eq!(w.gate(1, t(15.0)), Gate::Open(1));
     }
 
     #[test]
