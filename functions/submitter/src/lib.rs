@@ -252,17 +252,9 @@ pub async fn run(
     let start = clock.now();
     let send_until =
         start.plus(s.period).min(deadline.minus(s.safety_margin + s.submit_timeout + 2 * TaskStore::CALL_TIMEOUT));
-    let mut state = match deps.store.releaser_lease(&deps.owner, start, start.plus(s.lease), None).await {
-        Ok(Some(st)) => st,
-        Ok(None) => {
-            report.lease_held_elsewhere = true;
-            return report;
-        }
-        Err(e) => {
-            tracing::error!(event = "submitter_store_failed", error = %e, "could not take the queue's lease");
-            report.errors += 1;
-            return report;
-        }
+    let mut state = match take_lease(deps, &clock, send_until, &mut report).await {
+        Some(st) => st,
+        None => return report,
     };
     let saved: Option<WindowState> = state.window.as_deref().and_then(|w| serde_json::from_str(w).ok());
     let mut r = Run {
@@ -275,7 +267,8 @@ pub async fn run(
         released: BTreeSet::new(),
         seen: None,
         released_at: VecDeque::new(),
-        api_no_slots: state.api_no_slots,
+        // Inline "no slot" answers no run took into the window yet (the first look applies them).
+        api_no_slots: state.api_no_slots_seen,
         pause_until: start,
         pace_until: start,
     };
@@ -388,6 +381,50 @@ pub async fn run(
     report
 }
 
+/// Takes the queue's lease for this run. Held by another run: `None` at once — unless tasks
+/// wait and the holder stopped renewing (it died): then it waits for the lease to lapse (within
+/// the period) and takes it over.
+async fn take_lease(
+    deps: &Deps,
+    clock: &Arc<dyn Clock>,
+    send_until: Timestamp,
+    report: &mut RunReport,
+) -> Option<SubmitState> {
+    let lease = deps.settings.lease;
+    for attempt in 0..2 {
+        let now = clock.now();
+        match deps.store.releaser_lease(&deps.owner, now, now.plus(lease), None).await {
+            Ok(Some(st)) => return Some(st),
+            Ok(None) if attempt == 0 => {
+                let st = match deps.store.submit_state().await {
+                    Ok(st) => st,
+                    Err(e) => {
+                        report.errors += 1;
+                        tracing::error!(event = "submitter_store_failed", error = %e);
+                        break;
+                    }
+                };
+                let until = st.releaser_until.unwrap_or(now);
+                // A live holder renews every tick: its lease ends about `lease` from now.
+                let stalled = until.since(now) + Duration::from_secs(2) < lease;
+                if st.queued == 0 || !stalled || until >= send_until {
+                    break;
+                }
+                tracing::warn!(event = "submitter_lease_stalled", holder = ?st.releaser, "the queue's lease stopped being renewed: taking it over when it lapses");
+                clock.sleep_until(until.plus(Duration::from_millis(50))).await;
+            }
+            Ok(None) => break,
+            Err(e) => {
+                tracing::error!(event = "submitter_store_failed", error = %e, "could not take the queue's lease");
+                report.errors += 1;
+                return None;
+            }
+        }
+    }
+    report.lease_held_elsewhere = true;
+    None
+}
+
 /// One run's working state.
 struct Run<'a> {
     deps: &'a Deps,
@@ -460,6 +497,7 @@ impl Run<'_> {
             permits,
             window: serde_json::to_string(&self.window.state()).unwrap_or_default(),
             released_per_minute: self.released_at.len() as u64,
+            api_no_slots_seen: self.api_no_slots,
         }
     }
 

@@ -65,6 +65,8 @@ pub struct SubmitState {
     pub window: Option<String>,
     /// "No slot" answers inline submits met (a running count).
     pub api_no_slots: u64,
+    /// How many of those a submitter has taken into the window.
+    pub api_no_slots_seen: u64,
     /// Tasks released in the last minute, as the submitter last published it.
     pub released_per_minute: u64,
 }
@@ -103,6 +105,7 @@ impl SubmitState {
             releaser_until: get_ts(item, "rel_until")?,
             window: get_s(item, "win")?.map(str::to_owned),
             api_no_slots: num("ns_api")?.max(0) as u64,
+            api_no_slots_seen: num("ns_seen")?.max(0) as u64,
             released_per_minute: num("rel_rate")?.max(0) as u64,
         })
     }
@@ -150,6 +153,8 @@ pub struct Publish {
     pub permits: u32,
     pub window: String,
     pub released_per_minute: u64,
+    /// Inline "no slot" answers taken into the window so far.
+    pub api_no_slots_seen: u64,
 }
 
 /// The condition that the breaker lets submits through at `:now` (a ban stops them; a pause
@@ -616,8 +621,9 @@ impl TaskStore {
         let mut update = "SET rel_owner = :me, rel_until = :until".to_owned();
         let mut req = self.client.update_item().table_name(&self.table).key(attr::PK, s(Breaker::KEY));
         if let Some(p) = publish {
-            update.push_str(", permits = :permits, win = :win, rel_rate = :rate");
+            update.push_str(", permits = :permits, win = :win, rel_rate = :rate, ns_seen = :seen");
             req = req
+                .expression_attribute_values(":seen", n(p.api_no_slots_seen))
                 .expression_attribute_values(":permits", n(u64::from(p.permits)))
                 .expression_attribute_values(":win", s(&p.window))
                 .expression_attribute_values(":rate", n(p.released_per_minute));
@@ -647,7 +653,10 @@ impl TaskStore {
             .update_item()
             .table_name(&self.table)
             .key(attr::PK, s(Breaker::KEY))
-            .update_expression("SET rel_until = :zero, permits = :permits, win = :win, rel_rate = :rate")
+            .update_expression(
+                "SET rel_until = :zero, permits = :permits, win = :win, rel_rate = :rate, ns_seen = :seen",
+            )
+            .expression_attribute_values(":seen", n(publish.api_no_slots_seen))
             .condition_expression("rel_owner = :me")
             .expression_attribute_values(":me", s(me))
             .expression_attribute_values(":zero", n(0))
@@ -850,7 +859,7 @@ mod tests {
     async fn one_submitter_holds_the_lease_until_it_leaves_or_lets_it_lapse() -> anyhow::Result<()> {
         let db = LocalDynamo::start().await?;
         let store = db.fresh_store().await?;
-        let publish = Publish { permits: 3, window: "{}".into(), released_per_minute: 42 };
+        let publish = Publish { permits: 3, window: "{}".into(), released_per_minute: 42, api_no_slots_seen: 0 };
         assert!(store.releaser_lease("a", t(0), t(10), Some(&publish)).await?.is_some());
         assert!(store.releaser_lease("b", t(5), t(15), None).await?.is_none(), "held");
         let st = store.releaser_lease("a", t(5), t(15), None).await?.expect("renewed");

@@ -16,7 +16,9 @@
 //!   that is refused, to 5 minutes): a stable plan costs one "no slot" answer per probe. A probe
 //!   that is taken means the plan grew: slow start again;
 //! - **a hard budget**: never more than `no_slot_per_minute` such answers in any 60 s, whatever
-//!   the estimate says (the default 20 is far below both ban rules, and the target of 60);
+//!   the estimate says (the default 20 is far below both ban rules, and the target of 60), and a
+//!   hold that doubles with each answer refused in a row (to a minute): a plan that takes nothing
+//!   at all — another client on the account, no balance — is asked ever more rarely;
 //! - **time grows it too**: a full window with no progress for `stall_after` (no task taken, none
 //!   finished; a third of it while the plan's size is still unknown) lets one task through — the tasks it counts may be done already, their pingbacks
 //!   lost (the poller records them only after their grace): a probe, under the same rules (the
@@ -101,6 +103,8 @@ pub struct WindowState {
     pub hold_until_ms: u64,
     #[serde(default)]
     pub progress_ms: u64,
+    #[serde(default)]
+    pub refused_in_a_row: u32,
     /// "No slot" answers of the last minute (epoch ms).
     #[serde(default)]
     pub no_slots: Vec<u64>,
@@ -119,6 +123,8 @@ pub struct Window {
     no_slots: VecDeque<Timestamp>,
     /// The last sign of progress: a task taken, one finished, a "no slot" answer.
     progress: Timestamp,
+    /// "No slot" answers since the last task taken, each after the hold of the one before.
+    refused_in_a_row: u32,
 }
 
 const MINUTE: Duration = Duration::from_secs(60);
@@ -137,6 +143,7 @@ impl Window {
             hold_until: Timestamp::from_millis(0),
             no_slots: VecDeque::new(),
             progress: Timestamp::from_millis(0),
+            refused_in_a_row: 0,
         }
     }
 
@@ -154,6 +161,7 @@ impl Window {
         }
         w.hold_until = Timestamp::from_millis(st.hold_until_ms);
         w.progress = Timestamp::from_millis(st.progress_ms);
+        w.refused_in_a_row = st.refused_in_a_row;
         w.no_slots = st.no_slots.iter().map(|ms| Timestamp::from_millis(*ms)).collect();
         w
     }
@@ -167,6 +175,7 @@ impl Window {
             probe_wait_ms: u64::try_from(self.probe_wait.as_millis()).unwrap_or(u64::MAX),
             hold_until_ms: self.hold_until.as_millis(),
             progress_ms: self.progress.as_millis(),
+            refused_in_a_row: self.refused_in_a_row,
             no_slots: self.no_slots.iter().map(|t| t.as_millis()).collect(),
         }
     }
@@ -235,6 +244,7 @@ impl Window {
     /// CaptchaAI took a task sent while `in_flight` others were in work.
     pub fn accepted(&mut self, in_flight: u32, now: Timestamp) {
         self.progress = self.progress.max(now);
+        self.refused_in_a_row = 0;
         if let Some(full) = self.known_full(now)
             && in_flight >= full
         {
@@ -269,17 +279,34 @@ impl Window {
         while self.no_slots.front().is_some_and(|t| *t < from) {
             self.no_slots.pop_front();
         }
-        self.hold_until = self.hold_until.max(now.plus(self.s.hold));
-        let level = in_flight.max(1);
-        match self.known_full(now) {
+        // Answers to sends made together count once; each refused after the hold of the one
+        // before doubles the hold (to a minute): a plan that takes nothing — another client on
+        // the account, no balance — is asked ever more rarely, until a task is taken.
+        // Answers to sends made together (within the hold of the first): the plan was full at
+        // the lowest of their levels.
+        let together = now < self.hold_until;
+        if !together {
+            self.refused_in_a_row = self.refused_in_a_row.saturating_add(1);
+        }
+        let hold = (self.s.hold * 2u32.saturating_pow(self.refused_in_a_row.saturating_sub(1).min(6))).min(MINUTE);
+        self.hold_until = self.hold_until.max(now.plus(hold));
+        let known = self.known_full(now);
+        let level = match (together, known) {
+            (true, Some(full)) => in_flight.max(1).min(full),
+            _ => in_flight.max(1),
+        };
+        match known {
             // A probe at or above the known level was refused: probe less often.
-            Some(full) if level >= full => self.probe_wait = (self.probe_wait * 2).min(self.s.probe_wait_max),
+            Some(full) if level >= full && !together => {
+                self.probe_wait = (self.probe_wait * 2).min(self.s.probe_wait_max);
+            }
             _ => {}
         }
         self.full_at = Some(level);
         self.full_seen = now;
         self.probe_after = now.plus(self.probe_wait);
-        self.size = (f64::from(level) - 1.0).max((f64::from(level) * 0.9).floor()).max(1.0).min(self.cap());
+        let size = (f64::from(level) - 1.0).max((f64::from(level) * 0.9).floor()).max(1.0).min(self.cap());
+        self.size = if together { self.size.min(size) } else { size };
     }
 }
 
@@ -330,11 +357,9 @@ mod tests {
         assert!(w.no_slots_last_minute(t(600.0)) <= 2, "a stable plan is probed rarely");
     }
 
-    #[test]
-    fn no_slot_answers_stay_within_the_budget_whatever_happens() {
-        // A plan that takes nothing (another client uses every thread, or the balance is gone):
-        // only the budget bounds the answers, in any 60 s, however eagerly it is asked.
-        let mut w = Window::new(WindowSettings::default());
+    /// Asks a plan that takes nothing as eagerly as the window allows for 10 minutes: the times
+    /// of the "no slot" answers (ms).
+    fn refused_for_ten_minutes(w: &mut Window) -> Vec<u64> {
         let mut times = Vec::new();
         for i in 0..60_000u64 {
             let at = Timestamp::from_millis(i * 10);
@@ -343,10 +368,25 @@ mod tests {
                 times.push(i * 10);
             }
         }
-        let most_in_a_minute =
-            times.iter().map(|t| times.iter().filter(|u| **u >= *t && **u < t + 60_000).count()).max().unwrap_or(0);
-        assert_eq!(most_in_a_minute, 20, "{} answers in 10 minutes", times.len());
-        assert!(times.len() <= 10 * 20 + 1, "{}", times.len());
+        times
+    }
+
+    fn most_in_a_minute(times: &[u64]) -> usize {
+        times.iter().map(|t| times.iter().filter(|u| **u >= *t && **u < t + 60_000).count()).max().unwrap_or(0)
+    }
+
+    #[test]
+    fn no_slot_answers_stay_within_the_budget_whatever_happens() {
+        // A plan that takes nothing (another client uses every thread, or the balance is gone):
+        // each answer doubles the hold, so it is asked ever more rarely.
+        let times = refused_for_ten_minutes(&mut Window::new(WindowSettings::default()));
+        assert!(times.len() <= 20, "{} answers in 10 minutes: {times:?}", times.len());
+        assert!(times.windows(2).skip(6).all(|p| p[1] - p[0] >= 60_000), "then once a minute: {times:?}");
+        // Without the hold, the budget alone bounds them, in any 60 s, both ends included.
+        let bare =
+            refused_for_ten_minutes(&mut Window::new(WindowSettings { hold: Duration::ZERO, ..Default::default() }));
+        assert_eq!(most_in_a_minute(&bare), 20, "{} answers in 10 minutes", bare.len());
+        assert!(bare.len() <= 10 * 20 + 1, "{}", bare.len());
     }
 
     #[test]
@@ -459,6 +499,19 @@ mod tests {
         assert!(matches!(w.gate(0, t(11.0)), Gate::Open(1)));
         assert_eq!(w.gate(1, t(14.9)), Gate::Full, "probe not due before 10 s after the answer");
         assert_eq!(w.gate(1, t(15.0)), Gate::Open(1));
+    }
+
+    #[test]
+    fn answers_to_sends_made_together_teach_the_lowest_level() {
+        // Eight sent at once (in work 0..7 when each went), a plan of one: every one but the
+        // first refused, answered in any order.
+        let mut w = Window::new(WindowSettings::default());
+        for level in [7, 3, 1, 5, 2, 6, 4] {
+            w.no_slot(level, t(1.0));
+        }
+        assert_eq!(w.limit(t(2.0)), 1, "full at 1, not at the last answer's 7");
+        assert_eq!(w.gate(1, t(2.0)), Gate::Full);
+        assert_eq!(w.no_slots_last_minute(t(2.0)), 7);
     }
 
     #[test]

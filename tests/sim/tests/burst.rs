@@ -87,7 +87,9 @@ async fn burst(w: &World, n: usize, run: Duration) -> anyhow::Result<Outcome> {
     let start = w.clock.now();
     let sends = (0..n).map(|i| async move {
         if i % 2 == 0 {
-            let (status, v, _) = w.post_task(body_for(CaptchaKind::Turnstile), Some(&format!("burst-{}-{i}", start.as_millis()))).await?;
+            let (status, v, _) = w
+                .post_task(body_for(CaptchaKind::Turnstile), Some(&format!("burst-{}-{i}", start.as_millis())))
+                .await?;
             let r = TaskRef::parse(v["task_ref"].as_str().unwrap_or_default()).ok();
             Ok::<_, anyhow::Error>((status == 202 && r.is_some(), r))
         } else {
@@ -204,12 +206,96 @@ async fn an_ambiguous_in_php_answer_during_release_is_never_sent_again() -> anyh
     assert_eq!(first.accepted, 2);
     w.fake.configure(|c| c.after_accept = vec![AfterAccept::Http502, AfterAccept::Html, AfterAccept::Cut]);
     let o = burst(&w, 10, Duration::from_secs(180)).await?;
-    println!("{}", o.table("10 at once behind 2, 2 threads, 3 releases answered 502 / HTML / cut after the take", 2, 3.0));
+    println!(
+        "{}",
+        o.table("10 at once behind 2, 2 threads, 3 releases answered 502 / HTML / cut after the take", 2, 3.0)
+    );
     assert_eq!(w.fake.counts().accepted_then_failed, 3, "the fake took them, then failed to say so");
     assert_eq!(o.accepted, 10);
     assert_eq!(o.paid_twice(), 0, "an unknown outcome is never sent again");
     assert_eq!(o.paid.len(), 12, "every task taken once");
     assert_eq!(o.solved, 10, "the unknown ones solved by their pingbacks");
     assert_eq!(o.bans, 0);
+    Ok(())
+}
+
+/// Our task behind each task the fake took, in the order it took them.
+fn taken_in_order(w: &World) -> Vec<TaskRef> {
+    let mut tasks = w.fake.tasks();
+    tasks.sort_by_key(|t| (t.submitted_at, t.id));
+    tasks.iter().filter_map(|ft| TaskRef::parse(ft.pingback.as_deref()?.split('/').rev().nth(1)?).ok()).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn owners_share_the_threads_and_tokens_are_not_held_behind_an_image_backlog() -> anyhow::Result<()> {
+    let w = World::start(plan(2, 3_000)).await?;
+    w.schedule_poller(w.clock.now());
+    // Owner A (POST /tasks) queues 60 images, then 10 tokens; owner B (a relay key on /in.php)
+    // queues 10 tokens a second later.
+    let mut images = Vec::new();
+    for i in 0..60 {
+        let (_, v, _) = w.post_task(body_for(CaptchaKind::Image), Some(&format!("img-{i}"))).await?;
+        images.push(TaskRef::parse(v["task_ref"].as_str().unwrap_or_default())?);
+    }
+    let mut a_tokens = Vec::new();
+    for i in 0..10 {
+        let (_, v, _) = w.post_task(body_for(CaptchaKind::Turnstile), Some(&format!("tok-{i}"))).await?;
+        a_tokens.push(TaskRef::parse(v["task_ref"].as_str().unwrap_or_default())?);
+    }
+    w.run_for(Duration::from_secs(1)).await;
+    let mut b_tokens = Vec::new();
+    for _ in 0..10 {
+        let (_, text) = w.post_in_php(TURNSTILE_FORM).await?;
+        b_tokens.push(TaskRef::from_compat_id(text.strip_prefix("OK|").unwrap_or_default())?);
+    }
+    w.run_for(Duration::from_secs(600)).await;
+    let order = taken_in_order(&w);
+    assert_eq!(order.len(), 80, "every task taken once");
+    let place = |r: &TaskRef| order.iter().position(|o| o == r).unwrap_or(usize::MAX);
+    let last_b = b_tokens.iter().map(place).max().unwrap_or(0);
+    let last_a_token = a_tokens.iter().map(place).max().unwrap_or(0);
+    let first_b = b_tokens.iter().map(place).min().unwrap_or(0);
+    println!(
+        "fairness, 2 threads: A queued 60 images + 10 tokens, B 10 tokens a second later; \
+         B's tokens taken at places {first_b}..{last_b}, A's tokens by place {last_a_token} (of 80)"
+    );
+    // B's burst is served alongside A's backlog (every other release once B waits), not after it.
+    assert!(last_b < 40, "B waited behind A's backlog: its last token went {last_b}th");
+    // A's tokens do not wait for A's 60 images: two of every three of A's turns are tokens.
+    assert!(last_a_token < 45, "A's tokens held behind its images: the last went {last_a_token}th");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_that_waits_longer_than_the_queue_allows_fails_unsent() -> anyhow::Result<()> {
+    // One thread, 80 s a task (Turnstile's longest is 90 s): ten queued cannot all be released
+    // within QUEUE_MAX_WAIT_SECS (600 s): the 9th would go at 640 s.
+    let w = World::start(plan(1, 80_000)).await?;
+    let mut refs = Vec::new();
+    for i in 0..10 {
+        let (status, v, _) = w.post_task(body_for(CaptchaKind::Turnstile), Some(&format!("slow-{i}"))).await?;
+        assert_eq!(status, 202);
+        refs.push(TaskRef::parse(v["task_ref"].as_str().unwrap_or_default())?);
+        w.run_for(Duration::from_millis(10)).await;
+    }
+    w.run_for(Duration::from_secs(700)).await;
+    let taken: Vec<TaskRef> = taken_in_order(&w);
+    assert_eq!(taken, refs[..8].to_vec(), "oldest first, one at a time as the thread frees");
+    for r in &refs[8..] {
+        let v = w.get_task(r.as_ref()).await?;
+        assert_eq!(
+            (v["status"].as_str(), v["error_code"].as_str()),
+            (Some("failed"), Some("ERROR_QUEUE_TIMEOUT")),
+            "{v}"
+        );
+        assert!(v["error_detail"].as_str().unwrap_or_default().contains("nothing was paid"), "{v}");
+    }
+    assert_eq!((w.fake.counts().tasks_accepted, w.fake.counts().bans), (8, 0));
+    assert!(w.fake.max_no_slot_per_minute() <= 20);
+    println!(
+        "1 thread, 80 s solves, 10 queued: 8 taken, 2 failed ERROR_QUEUE_TIMEOUT at {} s, never sent; {} 'no slot' answers",
+        w.deployed.queue.max_wait.as_secs(),
+        w.fake.counts().no_slot
+    );
     Ok(())
 }
