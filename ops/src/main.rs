@@ -5,6 +5,8 @@
 //!   relay-ops redrive [--max N]          poison queue → dead-letter queue
 //!   relay-ops redrive-task <task-ref>    only that task's letters
 //!   relay-ops breaker show|close         the account-wide CaptchaAI breaker (TABLE_NAME)
+//!   relay-ops queue                      the submit queue: depth per lane, oldest wait, the
+//!                                        submitter's lease and window (TABLE_NAME)
 //!   relay-ops keys create <name>         a relay key for /in.php and /res.php, printed once (TABLE_NAME)
 //!   relay-ops keys list [--json]         names, digest prefixes, created, revoked (never a key)
 //!   relay-ops keys revoke <name> [--digest <prefix>]
@@ -145,6 +147,8 @@ enum Cmd {
         #[command(subcommand)]
         cmd: BreakerCmd,
     },
+    /// The submit queue: tasks waiting for a CaptchaAI thread, per lane, and the submitter.
+    Queue,
     /// Relay keys: the `key` 2captcha-style clients send to /in.php and /res.php.
     Keys {
         #[command(subcommand)]
@@ -285,6 +289,11 @@ async fn main() -> anyhow::Result<()> {
         Cmd::Keys { cmd } => return keys(&task_store(&aws, cli.table_name)?, cmd).await,
         Cmd::Deliveries { cmd } => return deliveries(&task_store(&aws, cli.table_name)?, cmd).await,
         Cmd::Webhooks { cmd } => return webhooks(&task_store(&aws, cli.table_name)?, cmd).await,
+        Cmd::Queue => {
+            let now = relay_shared::time::Clock::now(&relay_shared::time::SystemClock);
+            print!("{}", relay_ops::queue::report(&task_store(&aws, cli.table_name)?, now).await?);
+            return Ok(());
+        }
         cmd => cmd,
     };
     if let Cmd::Breaker { cmd } = &cmd {
@@ -318,7 +327,7 @@ async fn main() -> anyhow::Result<()> {
     let poison = queue(cli.poison_queue_url, "poison-queue-url")?;
     let dlq = queue(cli.dead_letter_queue_url, "dead-letter-queue-url")?;
     match cmd {
-        Cmd::Breaker { .. } | Cmd::Keys { .. } | Cmd::Deliveries { .. } | Cmd::Webhooks { .. } => {}
+        Cmd::Breaker { .. } | Cmd::Keys { .. } | Cmd::Deliveries { .. } | Cmd::Webhooks { .. } | Cmd::Queue => {}
         Cmd::List { max, reveal } => {
             let msgs = relay_ops::list(&poison, max).await?;
             for m in &msgs {

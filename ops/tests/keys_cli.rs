@@ -94,3 +94,53 @@ async fn keys_create_list_revoke_through_the_binary() -> anyhow::Result<()> {
     assert!(text(&out.stderr).contains("set --table-name or TABLE_NAME"), "{}", text(&out.stderr));
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queue_shows_each_lane_its_oldest_wait_the_submitter_and_its_window() -> anyhow::Result<()> {
+    use relay_shared::captchaai::SubmitRequest;
+    use relay_shared::domain::{CaptchaKind, Task, TaskRef};
+    use relay_shared::time::{Clock, SystemClock};
+    let db = LocalDynamo::start().await?;
+    let store = db.fresh_store().await?;
+    let (ep, table) = (db.endpoint.as_str(), store.table());
+    let out = relay_ops(ep, table, &["queue"]).await?;
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("queued: 0 in 0 lane(s)"), "{}", text(&out.stdout));
+    assert!(text(&out.stdout).contains("not learnt yet"), "{}", text(&out.stdout));
+
+    let now = SystemClock.now();
+    let lane = "0123456789abcdef.t";
+    for _ in 0..3 {
+        let task = Task::queued(
+            TaskRef::generate(),
+            CaptchaKind::Turnstile,
+            now.minus(std::time::Duration::from_secs(42)),
+            lane.into(),
+        );
+        store.reserve_queue(lane, 10, 10, false).await?;
+        let req = SubmitRequest::Turnstile {
+            sitekey: "s".into(),
+            pageurl: "https://a.example/".into(),
+            action: None,
+            data: None,
+        };
+        store.create_queued(&task, &req, "https://relay/cb", None).await?;
+    }
+    let window = r#"{"size":5.0,"full_at":6,"full_seen_ms":0}"#;
+    let publish = relay_shared::store::Publish {
+        permits: 0,
+        window: window.into(),
+        released_per_minute: 120,
+        api_no_slots_seen: 0,
+    };
+    store.releaser_lease("submitter-test", now, now.plus(std::time::Duration::from_secs(10)), Some(&publish)).await?;
+    let out = relay_ops(ep, table, &["queue"]).await?;
+    let shown = text(&out.stdout);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(shown.contains("queued: 3 in 1 lane(s)"), "{shown}");
+    assert!(shown.contains(&format!("lane {lane} (tokens): 3 waiting, the oldest for 4")), "{shown}");
+    assert!(shown.contains("submitter: running (submitter-test"), "{shown}");
+    assert!(shown.contains("window: 5 tasks in work at once"), "{shown}");
+    assert!(shown.contains("released in the last minute: 120"), "{shown}");
+    Ok(())
+}
