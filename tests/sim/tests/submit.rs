@@ -67,7 +67,8 @@ async fn in_php_failing_after_accepting_leaves_the_task_unknown_and_its_pingback
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn ban_answers_are_not_retried_they_stop_traffic_and_a_later_retry_is_paid_once() -> anyhow::Result<()> {
+async fn ban_answers_are_not_retried_they_stop_traffic_and_the_task_waits_in_the_queue_paid_once() -> anyhow::Result<()>
+{
     // MAX_USER_TURN (a 10 s ban) from in.php itself.
     let w = World::start_with(
         FakeConfig { submit_errors: vec!["MAX_USER_TURN".into()], ..FakeConfig::captchaai_like() },
@@ -75,37 +76,34 @@ async fn ban_answers_are_not_retried_they_stop_traffic_and_a_later_retry_is_paid
     )
     .await?;
     w.schedule_poller(EPOCH);
-    let (status, v, headers) = w.post_task(body_for(TURNSTILE), Some("order-2")).await?;
-    assert_eq!(status, 503, "{v}");
-    assert_eq!(headers.get("retry-after").and_then(|h| h.to_str().ok()), Some("10"));
-    assert_eq!((v["error"]["code"].as_str(), v["error"]["retry_safe"].as_bool()), (Some("MAX_USER_TURN"), Some(true)));
+    let (status, v, _) = w.post_task(body_for(TURNSTILE), Some("order-2")).await?;
+    assert_eq!((status, v["status"].as_str()), (202, Some("queued")), "accepted, waiting out the ban: {v}");
     assert_eq!(w.fake.counts().in_php, 1, "not retried inside the request");
-    let (blocked, _, _) = w.post_task(body_for(TURNSTILE), Some("order-2")).await?;
-    assert_eq!((blocked, w.fake.counts().in_php), (503, 1), "the breaker holds submits back during the ban");
-    w.run_for(Duration::from_secs(10)).await;
-    let (ok, _, _) = w.post_task(body_for(TURNSTILE), Some("order-2")).await?;
-    assert_eq!(ok, 202, "the same key works after the ban: nothing had been accepted");
+    let (again, v2, _) = w.post_task(body_for(TURNSTILE), Some("order-2")).await?;
+    assert_eq!((again, v2["task_ref"].clone()), (202, v["task_ref"].clone()), "the same task for the same key");
+    let (other, _, _) = w.post_task(body_for(TURNSTILE), Some("order-2b")).await?;
+    assert_eq!((other, w.fake.counts().in_php), (202, 1), "the breaker holds submits back during the ban");
+    w.run_for(Duration::from_secs(9)).await;
+    assert_eq!(w.fake.counts().in_php, 1, "nothing sent before the ban ends");
     let calls = every_accepted_task_ends_solved(&w).await?;
-    assert_eq!((calls, w.fake.counts().tasks_accepted), (2, 1));
-    println!("MAX_USER_TURN: in.php calls {calls} (1 refused with the ban, 1 accepted after it), final state solved");
+    assert_eq!((calls, w.fake.counts().tasks_accepted), (3, 2), "1 refused with the ban, then each task once");
+    println!("MAX_USER_TURN: in.php calls {calls} (1 refused with the ban, 2 accepted after it), both solved");
 
     // IP_BANNED (5 min), for every request of the IP.
     let w = World::start_with(FakeConfig::captchaai_like(), opts()).await?;
     w.schedule_poller(EPOCH);
     w.fake.ban_ip(Duration::from_secs(300));
-    let (status, v, headers) = w.post_task(body_for(TURNSTILE), Some("order-3")).await?;
-    assert_eq!((status, v["error"]["code"].as_str()), (503, Some("IP_BANNED")), "{v}");
-    assert_eq!(headers.get("retry-after").and_then(|h| h.to_str().ok()), Some("300"));
+    let (status, v, _) = w.post_task(body_for(TURNSTILE), Some("order-3")).await?;
+    assert_eq!((status, v["status"].as_str()), (202, Some("queued")), "{v}");
     for _ in 0..5 {
-        assert_eq!(w.post_task(body_for(TURNSTILE), Some("order-3")).await?.0, 503);
+        assert_eq!(w.post_task(body_for(TURNSTILE), Some("order-3")).await?.0, 202);
     }
+    w.run_for(Duration::from_secs(290)).await;
     assert_eq!(
         (w.fake.counts().in_php, w.fake.counts().requests_during_ban),
         (1, 1),
         "one request met the ban, no more"
     );
-    w.run_for(Duration::from_secs(300)).await;
-    assert_eq!(w.post_task(body_for(TURNSTILE), Some("order-3")).await?.0, 202);
     let calls = every_accepted_task_ends_solved(&w).await?;
     assert_eq!((calls, w.fake.counts().tasks_accepted), (2, 1));
     println!(
