@@ -95,7 +95,7 @@ impl Fair {
             (true, true) => {
                 let turn = self.turns.entry(owner.clone()).or_default();
                 *turn += 1;
-                if *turn % 3 == 0 { LaneClass::Image } else { LaneClass::Token }
+                if turn.is_multiple_of(3) { LaneClass::Image } else { LaneClass::Token }
             }
             (true, false) => LaneClass::Token,
             _ => LaneClass::Image,
