@@ -171,7 +171,22 @@ pub struct RunReport {
     pub reconciled: u64,
     /// It ended with tasks queued and woke the next run.
     pub handed_over: bool,
+    /// It published its metrics ([`METRICS`]; an idle run publishes none).
+    pub metrics_published: bool,
 }
+
+/// The metrics a run that saw the queue used publishes (namespace `CaptchaRelay`, service
+/// `submitter`).
+pub const METRICS: [&str; 8] = [
+    "submit_queue_depth",
+    "submit_queue_oldest_seconds",
+    "submit_window",
+    "submit_in_flight",
+    "submit_released",
+    "submit_requeued",
+    "submit_unknown",
+    "submitter_errors",
+];
 
 /// The Lambda entry point (a schedule, or a stream batch with the wake item: the payload says
 /// nothing the run needs).
@@ -276,7 +291,10 @@ pub async fn run(
     let mut calls: tokio::task::JoinSet<Sent> = tokio::task::JoinSet::new();
     let mut idle_since: Option<Timestamp> = None;
     let mut in_flight = 0;
-    loop {
+    // Nothing queued, no inline "no slot" answer to learn from: republish the permits and end
+    // (the scheduled run of an idle minute).
+    let idle = state.queued == 0 && state.api_no_slots <= r.api_no_slots;
+    while !idle {
         let now = clock.now();
         report.max_queued = report.max_queued.max(state.queued);
         let counted = r.in_flight(now, &mut report).await.unwrap_or(in_flight);
@@ -376,7 +394,12 @@ pub async fn run(
             }
         }
     }
-    emit_metrics(&report);
+    // An idle run publishes nothing: the queue's metrics exist while it is used (custom
+    // metrics are billed by the hour they are published in).
+    if report.max_queued + report.queued_at_end + report.released + report.errors > 0 {
+        report.metrics_published = true;
+        emit_metrics(&report);
+    }
     tracing::info!(event = "submitter_run", report = %serde_json::to_string(&report).unwrap_or_default());
     report
 }
@@ -835,12 +858,13 @@ impl Run<'_> {
 }
 
 fn emit_metrics(r: &RunReport) {
-    metrics::gauge!("submit_queue_depth").set(r.max_queued as f64);
-    metrics::gauge!("submit_queue_oldest_seconds").set(r.oldest_queued_secs as f64);
-    metrics::gauge!("submit_window").set(f64::from(r.window));
-    metrics::gauge!("submit_in_flight").set(f64::from(r.max_in_flight));
-    metrics::counter!("submit_released").increment(r.released);
-    metrics::counter!("submit_requeued").increment(r.requeued);
-    metrics::counter!("submit_unknown").increment(r.unknown);
-    metrics::counter!("submitter_errors").increment(r.errors);
+    let [depth, oldest, window, in_flight, released, requeued, unknown, errors] = METRICS;
+    metrics::gauge!(depth).set(r.max_queued as f64);
+    metrics::gauge!(oldest).set(r.oldest_queued_secs as f64);
+    metrics::gauge!(window).set(f64::from(r.window));
+    metrics::gauge!(in_flight).set(f64::from(r.max_in_flight));
+    metrics::counter!(released).increment(r.released);
+    metrics::counter!(requeued).increment(r.requeued);
+    metrics::counter!(unknown).increment(r.unknown);
+    metrics::counter!(errors).increment(r.errors);
 }

@@ -150,6 +150,14 @@ pub async fn run(opts: &Opts) -> anyhow::Result<String> {
     relay.api.auth = Authorizer::Iam;
     let deployed = relay_sim::Deployed::from_template()?;
     relay.api.callback_grace = deployed.grace.clone();
+    // The template's queue settings, on a plan these submits never fill (its threads known):
+    // each goes inline with a permit, the path a task takes while CaptchaAI has a free thread.
+    // (A task that waits in the submit queue costs two more writes of the account's state item
+    // and two of its own item: docs/submit-queue.md.)
+    relay.api.queue = relay_shared::submit::QueueSettings {
+        window: relay_shared::submit::window::WindowSettings { threads: Some(10_000), ..deployed.queue.window.clone() },
+        ..deployed.queue.clone()
+    };
     let emf = crate::telemetry::metrics();
 
     // Submits, paced under the account-wide in.php rate (14/s) so none is told to wait.
@@ -233,7 +241,8 @@ pub async fn run(opts: &Opts) -> anyhow::Result<String> {
     };
     let idle = idle_tick(&deployed).await?;
     let sweep = idle_sweep().await?;
-    Ok(render(&steps, kb, small_kb, &stale, &idle, &sweep))
+    let submit = idle_submit(&deployed).await?;
+    Ok(render(&steps, kb, small_kb, &stale, &idle, &[&sweep, &submit]))
 }
 
 fn json_body(resp: &lambda_http::Response<lambda_http::Body>) -> serde_json::Value {
@@ -348,6 +357,47 @@ async fn idle_sweep() -> anyhow::Result<Idle> {
     Ok(Idle { ops: calls_since(&before, &counter.snapshot()), cpu_ms, emf_metrics })
 }
 
+/// One submitter run with nothing queued, as its schedule starts one every minute of an idle
+/// stack (the template's queue settings; the function's 90 s timeout).
+async fn idle_submit(deployed: &relay_sim::Deployed) -> anyhow::Result<Idle> {
+    let db = LocalDynamo::start().await?;
+    let (client, counter) = db.counting_client();
+    let table = format!("idle-sub-{}", uuid::Uuid::new_v4().simple());
+    relay_shared::store::schema::create_table(&client, &table).await?;
+    let fake = fake_captchaai::FakeCaptchaAi::start(fake_captchaai::FakeConfig::captchaai_like()).await?;
+    let deps = relay_submitter::Deps {
+        store: TaskStore::new(client, table, Duration::from_secs(7 * 86_400)),
+        captchaai: relay_shared::captchaai::CaptchaAiClient::new(
+            &fake.base_url(),
+            SecretString::from(fake.api_key()),
+            Duration::from_secs(15),
+            None,
+        )?,
+        dead_letters: Arc::new(MemorySink::default()),
+        grace: deployed.grace.clone(),
+        settings: relay_submitter::SubmitterSettings {
+            queue: deployed.queue.clone(),
+            ..relay_submitter::SubmitterSettings::default()
+        },
+        owner: "bench-idle".into(),
+        waker: Arc::new(relay_shared::submit::NotifyWaker::default()),
+    };
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let _ = crate::telemetry::flush_metrics();
+    let before = counter.snapshot();
+    let t = Instant::now();
+    let report = relay_submitter::run(&deps, clock.clone(), clock.now().plus(Duration::from_secs(90)), None).await;
+    let cpu_ms = t.elapsed().as_secs_f64() * 1e3;
+    anyhow::ensure!(
+        report.released + report.errors == 0 && fake.counts().in_php == 0,
+        "an idle run did something: {report:?}"
+    );
+    // Its own metrics: this process's recorder re-sends every gauge the other parts set (the
+    // simulations run a submitter too), so the run says whether it published its own.
+    let emf_metrics = if report.metrics_published { relay_submitter::METRICS.len() } else { 0 };
+    Ok(Idle { ops: calls_since(&before, &counter.snapshot()), cpu_ms, emf_metrics })
+}
+
 /// The calls made between two snapshots of a counter, by operation.
 fn calls_since(before: &HashMap<String, u64>, after: &HashMap<String, u64>) -> HashMap<String, u64> {
     after.iter().map(|(op, n)| (op.clone(), n - before.get(op).copied().unwrap_or(0))).filter(|(_, n)| *n > 0).collect()
@@ -368,7 +418,14 @@ fn template_counts() -> anyhow::Result<(usize, usize, usize, u64)> {
     Ok((plain + math_metrics, count("AWS::CloudWatch::Dashboard"), count("AWS::KMS::Key"), memory))
 }
 
-fn render(steps: &[Step], kb: f64, small_kb: f64, stale: &crate::poller::PollRun, idle: &Idle, sweep: &Idle) -> String {
+fn render(
+    steps: &[Step],
+    kb: f64,
+    small_kb: f64,
+    stale: &crate::poller::PollRun,
+    idle: &Idle,
+    [sweep, submit]: &[&Idle; 2],
+) -> String {
     let (alarm_metrics, dashboards, keys, memory_mb) = template_counts().unwrap_or((0, 0, 0, 256));
     let gb = memory_mb as f64 / 1024.0;
     let mut s = format!(
@@ -449,6 +506,12 @@ fn render(steps: &[Step], kb: f64, small_kb: f64, stale: &crate::poller::PollRun
     let idle_rru = rru(idle);
     let sweep_calls = sweep.ops.values().sum::<u64>() as f64;
     let sweep_ms = (sweep.cpu_ms + sweep_calls * DYNAMODB_CALL_MS).ceil();
+    let submit_calls = submit.ops.values().sum::<u64>() as f64;
+    let submit_ms = (submit.cpu_ms + submit_calls * DYNAMODB_CALL_MS).ceil();
+    let op = |i: &Idle, name: &str| i.ops.get(name).copied().unwrap_or(0) as f64;
+    // The lease, its release and the reads (a Scan of the empty keys-only index is half a unit).
+    let submit_store =
+        op(submit, "UpdateItem") * price::DYNAMODB_WRU + (rru(submit) + op(submit, "Scan") * 0.5) * price::DYNAMODB_RRU;
     let lines = [
         ("scheduler invocations (1 a minute)", minutes * price::SCHEDULER_INVOCATION),
         (
@@ -467,6 +530,16 @@ fn render(steps: &[Step], kb: f64, small_kb: f64, stale: &crate::poller::PollRun
         ("delivery sweeps' DynamoDB reads", minutes * rru(sweep) * price::DYNAMODB_RRU),
         ("delivery sweeps' logs", minutes * 600.0 * price::LOG_BYTE),
         ("custom metrics an idle delivery sweep publishes", sweep.emf_metrics as f64 * price::CUSTOM_METRIC_MONTH),
+        (
+            "submitter runs: scheduler, invocations and their time (1 a minute)",
+            minutes
+                * (price::SCHEDULER_INVOCATION
+                    + price::LAMBDA_REQUEST
+                    + submit_ms / 1000.0 * gb * price::LAMBDA_ARM_GB_S),
+        ),
+        ("submitter runs' DynamoDB reads and writes", minutes * submit_store),
+        ("submitter runs' logs", minutes * 600.0 * price::LOG_BYTE),
+        ("custom metrics an idle submitter run publishes", submit.emf_metrics as f64 * price::CUSTOM_METRIC_MONTH),
         ("redrive's SQS long polls (5 pollers, 20 s)", 5.0 * 3.0 * minutes * price::SQS_REQUEST),
         ("alarms", alarm_metrics as f64 * price::ALARM_METRIC_MONTH),
         ("dashboard", dashboards as f64 * price::DASHBOARD_MONTH),
@@ -476,9 +549,10 @@ fn render(steps: &[Step], kb: f64, small_kb: f64, stale: &crate::poller::PollRun
     let total: f64 = lines.iter().map(|(_, v)| v).sum();
     s.push_str(&format!(
         "\n**Idle stack, per month** (no traffic; one idle poller invocation measured: {} DynamoDB calls, \
-         {idle_ms:.0} ms billed; one idle delivery sweep: {} DynamoDB calls, {sweep_ms:.0} ms billed): **${total:.2}**\n\n\
+         {idle_ms:.0} ms billed; one idle delivery sweep: {} DynamoDB calls, {sweep_ms:.0} ms billed; one idle \
+         submitter run: {} DynamoDB calls, {submit_ms:.0} ms billed): **${total:.2}**\n\n\
          | item | $ per month |\n| --- | --- |\n",
-        idle_calls, sweep_calls
+        idle_calls, sweep_calls, submit_calls
     ));
     for (k, v) in lines {
         s.push_str(&format!("| {k} | {v:.2} |\n"));
