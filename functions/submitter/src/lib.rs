@@ -294,7 +294,10 @@ pub async fn run(
     // Nothing queued, no inline "no slot" answer to learn from: republish the permits and end
     // (the scheduled run of an idle minute).
     let idle = state.queued == 0 && state.api_no_slots <= r.api_no_slots;
-    while !idle {
+    loop {
+        if idle {
+            break;
+        }
         let now = clock.now();
         report.max_queued = report.max_queued.max(state.queued);
         let counted = r.in_flight(now, &mut report).await.unwrap_or(in_flight);
