@@ -124,7 +124,7 @@ async fn queue_shows_each_lane_its_oldest_wait_the_submitter_and_its_window() ->
             action: None,
             data: None,
         };
-        store.create_queued(&task, &req, "https://relay/cb", None).await?;
+        store.create_queued(&task, &req, "https://relay/cb", std::time::Duration::from_secs(110), None).await?;
     }
     let window = r#"{"size":5.0,"full_at":6,"full_seen_ms":0}"#;
     let publish = relay_shared::store::Publish {

@@ -280,6 +280,15 @@ impl CaptchaKind {
         self.typical_solve_time().1 + Duration::from_secs(5)
     }
 
+    /// How long a task of this kind is counted as holding a CaptchaAI thread after it is sent,
+    /// unless its result comes first: the upper end of its typical solve time. A task whose
+    /// pingback was lost is not counted busy until the poller reads it (its grace), nor a slow
+    /// one until CaptchaAI gives up; the submit queue's window learns the difference from
+    /// CaptchaAI's "no slot" answers (see `crate::submit::window`).
+    pub fn busy_for(self) -> Duration {
+        self.typical_solve_time().1
+    }
+
     /// After this long without an answer CaptchaAI gives up (`ERROR_CAPTCHA_UNSOLVABLE`).
     pub fn max_solve_time(self) -> Duration {
         match self {

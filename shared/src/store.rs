@@ -528,8 +528,8 @@ impl TaskStore {
     /// `fingerprint` (of the request it came with), the reference was derived from the key: if a
     /// task already has it, nothing is written and that task and its fingerprint come back —
     /// one conditional put, no read first.
-    /// The task is counted in work (see [`queue`]) until its kind's longest solve time has
-    /// passed: in.php may take it from this moment on.
+    /// The task is counted in work (see [`queue`]) from this moment (in.php may take it) for
+    /// its kind's [`CaptchaKind::busy_for`], unless its result comes first.
     pub async fn create(
         &self,
         task: &Task,
@@ -538,7 +538,7 @@ impl TaskStore {
     ) -> Result<Created, StoreError> {
         let in_work: Item = [
             (attr::SQ_KEY, s(&queue::in_work_key(&task.task_ref))),
-            (attr::SQ_AT, n(task.created_at.plus(task.kind.max_solve_time()).as_millis())),
+            (attr::SQ_AT, n(task.created_at.plus(task.kind.busy_for()).as_millis())),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_owned(), v))

@@ -385,7 +385,7 @@ pub(crate) async fn submit_task(req: &Request, deps: &Deps, input: SubmitInput) 
         // Recorded before in.php hears of it. If in.php's answer is never stored, the poller
         // expires the task at this deadline.
         let grace = deps.callback_grace.for_kind(kind);
-        let deadline = now.plus(grace + kind.max_solve_time());
+        let deadline = now.plus(deadline_after(deps, kind));
         match deps.store.create(&task, deadline, fp).await {
             Ok(Created::New) => {}
             Ok(Created::Existing { task, fingerprint: stored }) => {
@@ -491,7 +491,7 @@ async fn enqueue(
         }
         Err(e) => return Submitted::Store(e),
     };
-    match deps.store.create_queued(&task, submit, pingback, fp).await {
+    match deps.store.create_queued(&task, submit, pingback, deadline_after(deps, task.kind), fp).await {
         Ok(Created::New) => {
             metrics::counter!("submits", "outcome" => "queued").increment(1);
             tracing::info!(event = "task_queued", lane = %lane, queued = state.queued, "queued for a free CaptchaAI thread");
@@ -509,6 +509,12 @@ async fn enqueue(
             Submitted::Store(e)
         }
     }
+}
+
+/// When, after it is sent, the poller looks at a task whose in.php answer was never stored: its
+/// callback's grace and CaptchaAI's longest solve.
+fn deadline_after(deps: &Deps, kind: relay_shared::domain::CaptchaKind) -> Duration {
+    deps.callback_grace.for_kind(kind) + kind.max_solve_time()
 }
 
 /// Takes back a reservation that was not used (a count left too high is reconciled by the
@@ -548,7 +554,7 @@ async fn queue_unsent(
             return Submitted::Store(e);
         }
     };
-    match deps.store.queue_unsent(&task.task_ref, &lane, now, submit, pingback).await {
+    match deps.store.queue_unsent(&task, &lane, now, submit, pingback, deadline_after(deps, task.kind)).await {
         Ok(true) => {
             metrics::counter!("submits", "outcome" => "queued").increment(1);
             if !state.releaser_live(now) {

@@ -30,9 +30,9 @@ use std::time::Duration;
 use relay_shared::captchaai::{CaptchaAiClient, CaptchaAiError};
 use relay_shared::config::{CallbackGrace, ConfigError, Settings};
 use relay_shared::deadletter::{DeadLetterSink, SqsQueue};
-use relay_shared::domain::{CaptchaKind, TaskRef};
+use relay_shared::domain::TaskRef;
 use relay_shared::store::{Publish, QueuedRef, Released, SubmitState, TaskStore};
-use relay_shared::submit::lanes::{Fair, LaneClass, parse_lane};
+use relay_shared::submit::lanes::{Fair, parse_lane};
 use relay_shared::submit::window::{Gate, Window, WindowState};
 use relay_shared::submit::{InPhp, QUEUE_TIMEOUT, QueueSettings, Recorder, Waker};
 use relay_shared::time::{Clock, Timestamp};
@@ -240,15 +240,6 @@ struct Lane {
     heads: VecDeque<QueuedRef>,
     /// The index listed nothing at this time, while the lane's count was this.
     empty: Option<(Timestamp, u64)>,
-}
-
-/// The longest a task of `class` can be in CaptchaAI's hands: reCAPTCHA gives up after 300 s,
-/// the others after 90 s.
-fn longest_solve(class: LaneClass) -> Duration {
-    match class {
-        LaneClass::Token => CaptchaKind::RecaptchaV2.max_solve_time(),
-        LaneClass::Image => CaptchaKind::Image.max_solve_time(),
-    }
 }
 
 /// One run: holds the queue's lease and releases queued tasks as threads free, until its
@@ -516,7 +507,7 @@ impl Run<'_> {
         }
         let queued = self.lanes.values().any(|l| !l.heads.is_empty());
         let permits = match self.window.gate(in_flight, now) {
-            Gate::Open(n) if !queued && now >= self.pause_until => n,
+            Gate::Open(n) if !queued && now >= self.pause_until => n.min(self.window.no_slot_budget_left(now)),
             _ => 0,
         };
         Publish {
@@ -691,7 +682,10 @@ impl Run<'_> {
         let mut waiting = self.waiting(state, self.clock.now());
         loop {
             let now = self.clock.now();
-            if now < self.pause_until || now < self.pace_until || calls.len() >= s.concurrency {
+            // Sends in flight count against the minute's budget of "no slot" answers: all of
+            // them may come back refused.
+            let budget = self.window.no_slot_budget_left(now) as usize;
+            if now < self.pause_until || now < self.pace_until || calls.len() >= s.concurrency.min(budget) {
                 break;
             }
             if !matches!(self.window.gate(*in_flight, now), Gate::Open(_)) {
@@ -719,20 +713,7 @@ impl Run<'_> {
                     break;
                 }
             }
-            let class = parse_lane(&lane).map_or(LaneClass::Token, |(_, c)| c);
-            let longest = longest_solve(class);
-            let grace = CaptchaKind::ALL
-                .into_iter()
-                .filter(|k| LaneClass::of(*k) == class)
-                .map(|k| self.deps.grace.for_kind(k))
-                .max()
-                .unwrap_or_default();
-            let released = match self
-                .deps
-                .store
-                .release(&head.task_ref, now, now.plus(longest), now.plus(grace + longest))
-                .await
-            {
+            let released = match self.deps.store.release(&head.task_ref, now).await {
                 Ok(Some(r)) => r,
                 Ok(None) => continue,
                 Err(e) => {

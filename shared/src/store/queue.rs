@@ -3,9 +3,9 @@
 //! A queued task is a task item in state `queued` that carries what in.php needs (the request,
 //! as JSON, and its signed pingback URL) and `sq_key = q#<lane>`, `sq_at = <queued at>`: it is
 //! listed, oldest first, in the sparse keys-only `submit-queue` index under its lane. The same
-//! index lists the tasks CaptchaAI may be working on — `sq_key = w#<shard>`, `sq_at = <when its
-//! thread is surely free again>` (release + the kind's longest solve time) — from the moment the
-//! relay starts sending it to the write that records its result. Counting those is how the
+//! index lists the tasks CaptchaAI is likely working on — `sq_key = w#<shard>`, `sq_at = <sent
+//! + the kind's typical solve time>` ([`crate::domain::CaptchaKind::busy_for`]) — from the moment
+//! the relay starts sending it to the write that records its result. Counting those is how the
 //! submitter knows how many threads are in use; one index, so an existing stack adds it in one
 //! deploy.
 //!
@@ -16,6 +16,7 @@
 //! count too high, never a task unseen; the submitter reconciles such counts against the index.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use aws_sdk_dynamodb::types::{AttributeValue, ReturnValue, ReturnValuesOnConditionCheckFailure, Select};
 
@@ -33,6 +34,10 @@ pub const QUEUE_INDEX: &str = "submit-queue";
 pub const IN_WORK_SHARDS: u8 = 4;
 /// The item whose every write wakes the submitter (through the table's stream).
 pub const WAKE_KEY: &str = "submitq#wake";
+
+fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
 
 /// The index key of a task waiting in `lane`.
 pub fn queued_key(lane: &str) -> String {
@@ -292,13 +297,16 @@ impl TaskStore {
     }
 
     /// Puts a new task in the queue (its reservation made): state queued, with the request and
-    /// its pingback URL, listed under its lane. Idempotent like [`TaskStore::create`]: with an
-    /// idempotency key's `fingerprint`, an existing task comes back instead.
+    /// its pingback URL, listed under its lane, and how long after its release the poller should
+    /// look at it if in.php's answer is never stored (`deadline_after`). Idempotent like
+    /// [`TaskStore::create`]: with an idempotency key's `fingerprint`, an existing task comes back
+    /// instead.
     pub async fn create_queued(
         &self,
         task: &Task,
         request: &SubmitRequest,
         pingback: &str,
+        deadline_after: Duration,
         fingerprint: Option<&str>,
     ) -> Result<Created, StoreError> {
         let TaskState::Queued { queued_at, lane } = &task.state else {
@@ -312,6 +320,8 @@ impl TaskStore {
             ("sq_at", n(queued_at.as_millis())),
             ("sq_req", s(&json)),
             ("sq_pingback", s(pingback)),
+            ("sq_busy", n(ms(task.kind.busy_for()))),
+            ("sq_deadline", n(ms(deadline_after))),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_owned(), v))
@@ -413,23 +423,18 @@ impl TaskStore {
     }
 
     /// Takes a queued task out of the queue to send it: queued → submitting, counted in work
-    /// until `in_work_until`, due for the poller at `deadline` (if in.php's answer is never
-    /// stored). `None` if it is no longer queued.
-    pub async fn release(
-        &self,
-        task_ref: &TaskRef,
-        now: Timestamp,
-        in_work_until: Timestamp,
-        deadline: Timestamp,
-    ) -> Result<Option<Released>, StoreError> {
+    /// for its kind's time from `now`, due for the poller at its deadline (if in.php's answer is
+    /// never stored) — both durations kept on the item since it was queued. `None` if it is no
+    /// longer queued.
+    pub async fn release(&self, task_ref: &TaskRef, now: Timestamp) -> Result<Option<Released>, StoreError> {
         let res = self
             .client
             .update_item()
             .table_name(&self.table)
             .key(attr::PK, s(task_ref.as_ref()))
             .update_expression(
-                "SET #state = :submitting, released_at = :now, sq_key = :w, sq_at = :until, poll_shard = :shard, \
-                 poll_due_at = :deadline",
+                "SET #state = :submitting, released_at = :now, sq_key = :w, sq_at = :now + sq_busy, \
+                 poll_shard = :shard, poll_due_at = :now + sq_deadline",
             )
             .condition_expression("#state = :queued")
             .expression_attribute_names("#state", attr::STATE)
@@ -437,9 +442,7 @@ impl TaskStore {
             .expression_attribute_values(":queued", s("queued"))
             .expression_attribute_values(":now", n(now.as_millis()))
             .expression_attribute_values(":w", s(&in_work_key(task_ref)))
-            .expression_attribute_values(":until", n(in_work_until.as_millis()))
             .expression_attribute_values(":shard", n(u64::from(task_ref.shard(super::POLL_SHARDS))))
-            .expression_attribute_values(":deadline", n(deadline.as_millis()))
             .return_values(ReturnValue::AllNew)
             .send()
             .await;
@@ -492,12 +495,14 @@ impl TaskStore {
     /// [`TaskStore::requeue`].
     pub async fn queue_unsent(
         &self,
-        task_ref: &TaskRef,
+        task: &Task,
         lane: &str,
         queued_at: Timestamp,
         request: &SubmitRequest,
         pingback: &str,
+        deadline_after: Duration,
     ) -> Result<bool, StoreError> {
+        let task_ref = &task.task_ref;
         let json = serde_json::to_string(request).map_err(|e| StoreError::Rejected(e.to_string()))?;
         let res = self
             .client
@@ -506,7 +511,7 @@ impl TaskStore {
             .key(attr::PK, s(task_ref.as_ref()))
             .update_expression(
                 "SET #state = :queued, queued_at = :at, q_lane = :lane, sq_key = :q, sq_at = :at, sq_req = :req, \
-                 sq_pingback = :pb REMOVE poll_shard, poll_due_at",
+                 sq_pingback = :pb, sq_busy = :busy, sq_deadline = :deadline REMOVE poll_shard, poll_due_at",
             )
             .condition_expression(
                 "#state = :submitting AND attribute_not_exists(captcha_id) AND attribute_not_exists(submit_unknown)",
@@ -519,6 +524,8 @@ impl TaskStore {
             .expression_attribute_values(":q", s(&queued_key(lane)))
             .expression_attribute_values(":req", s(&json))
             .expression_attribute_values(":pb", s(pingback))
+            .expression_attribute_values(":busy", n(ms(task.kind.busy_for())))
+            .expression_attribute_values(":deadline", n(ms(deadline_after)))
             .send()
             .await;
         condition_held(res)
@@ -714,7 +721,12 @@ mod tests {
     async fn queue_one(store: &TaskStore, at: u64) -> anyhow::Result<Task> {
         let task = Task::queued(TaskRef::generate(), CaptchaKind::Turnstile, t(at), LANE.into());
         assert!(matches!(store.reserve_queue(LANE, 100, 100, false).await?, Reserved::Yes(_)));
-        assert_eq!(store.create_queued(&task, &turnstile(), "https://relay/callback/x/y", None).await?, Created::New);
+        assert_eq!(
+            store
+                .create_queued(&task, &turnstile(), "https://relay/callback/x/y", Duration::from_secs(110), None)
+                .await?,
+            Created::New
+        );
         Ok(task)
     }
 
@@ -728,7 +740,10 @@ mod tests {
         let id = CaptchaId::parse("7001")?;
         store.mark_submitted(&task.task_ref, &id, t(1), t(21)).await?;
         assert_eq!(store.in_work(t(2)).await?.len(), 1);
-        assert!(store.in_work(t(90)).await?.is_empty(), "CaptchaAI gives up after 90 s: the thread is free");
+        assert!(
+            store.in_work(t(15)).await?.is_empty(),
+            "past Turnstile's typical 15 s: likely done, its pingback lost"
+        );
         let d = Delivery {
             captcha_id: id,
             outcome: Outcome::Solved(Solution::parse("tok")?),
@@ -756,17 +771,21 @@ mod tests {
         assert!(store.in_work(t(4)).await?.is_empty(), "queued is not in work");
 
         // Released: submitting, in work, with what in.php needs; only once.
-        let r = store.release(&a.task_ref, t(10), t(310), t(375)).await?.expect("queued");
+        let r = store.release(&a.task_ref, t(10)).await?.expect("queued");
         assert_eq!((r.request, r.lane.as_str(), r.queued_at), (turnstile(), LANE, t(1)));
         assert_eq!(r.pingback, "https://relay/callback/x/y");
         assert!(matches!(r.task.state, TaskState::Submitting { unknown: None }));
         assert_eq!(r.task.released_at, Some(t(10)));
         assert_eq!(r.task.submitted_or_created_at(), t(10), "its deadlines count from the release");
-        assert!(store.release(&a.task_ref, t(10), t(310), t(375)).await?.is_none(), "never twice");
+        assert!(store.release(&a.task_ref, t(10)).await?.is_none(), "never twice");
         store.count_queued(LANE, -1).await?;
         assert_eq!(store.in_work(t(11)).await?, vec![a.task_ref.clone()]);
-        let due = store.due_page(a.task_ref.shard(crate::store::POLL_SHARDS), t(375), 10, None).await?;
-        assert!(due.tasks.iter().any(|d| d.task.task_ref == a.task_ref), "the poller sees it at its deadline");
+        assert!(store.in_work(t(24)).await?.contains(&a.task_ref), "busy for Turnstile's 15 s from its release");
+        assert!(store.in_work(t(25)).await?.is_empty());
+        let shard = a.task_ref.shard(crate::store::POLL_SHARDS);
+        assert!(store.due_page(shard, t(119), 10, None).await?.tasks.is_empty());
+        let due = store.due_page(shard, t(120), 10, None).await?;
+        assert!(due.tasks.iter().any(|d| d.task.task_ref == a.task_ref), "the poller sees it 110 s after its release");
 
         // No free thread: back at its place, ahead of b.
         store.count_queued(LANE, 1).await?;
@@ -778,11 +797,11 @@ mod tests {
         assert_eq!((back.state.name(), back.released_at), ("queued", None));
 
         // A release whose answer was lost is never put back (it may have been taken).
-        let r = store.release(&a.task_ref, t(20), t(320), t(385)).await?.expect("queued again");
+        let r = store.release(&a.task_ref, t(20)).await?.expect("queued again");
         store.mark_submit_unknown(&a.task_ref, "cut").await?;
         assert!(!store.requeue(&a.task_ref, LANE, r.queued_at).await?, "an unknown outcome stays unknown");
         // A task in.php took is never put back either.
-        let rb = store.release(&b.task_ref, t(21), t(321), t(386)).await?.expect("queued");
+        let rb = store.release(&b.task_ref, t(21)).await?.expect("queued");
         store.mark_submitted(&b.task_ref, &CaptchaId::parse("7002")?, t(21), t(41)).await?;
         assert!(!store.requeue(&b.task_ref, LANE, rb.queued_at).await?);
         let b_now = store.get(&b.task_ref).await?.expect("stored");
@@ -800,7 +819,7 @@ mod tests {
             ..Task::queued(TaskRef::generate(), CaptchaKind::Image, t(0), LANE.into())
         };
         store.reserve_queue(LANE, 10, 10, false).await?;
-        store.create_queued(&task, &turnstile(), "https://relay/cb", None).await?;
+        store.create_queued(&task, &turnstile(), "https://relay/cb", Duration::from_secs(110), None).await?;
         let failed = store
             .fail_unsent(&task.task_ref, true, crate::submit::QUEUE_TIMEOUT, "waited too long", t(600))
             .await?
@@ -883,7 +902,7 @@ mod tests {
         store.reserve_queue("0000000000000000.t", 10, 10, false).await?;
         // And a task whose count was lost.
         let lost = Task::queued(TaskRef::generate(), CaptchaKind::Image, t(2), "1111111111111111.i".into());
-        store.create_queued(&lost, &turnstile(), "https://relay/cb", None).await?;
+        store.create_queued(&lost, &turnstile(), "https://relay/cb", Duration::from_secs(110), None).await?;
         let listed = store.queued_lanes().await?;
         assert_eq!(listed.get(LANE), Some(&1));
         assert_eq!(listed.get("1111111111111111.i"), Some(&1));

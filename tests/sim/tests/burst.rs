@@ -35,6 +35,10 @@ struct Outcome {
     accepted_at: Vec<u64>,
     /// From the burst to each task's solve (s).
     burst_to_solved: Vec<f64>,
+    /// Thread-seconds CaptchaAI spent on the burst's tasks, and the span from the first take
+    /// to the last solve (s).
+    busy_secs: f64,
+    span_secs: f64,
 }
 
 impl Outcome {
@@ -44,6 +48,11 @@ impl Outcome {
             (Some(a), Some(b)) if b > a => (self.accepted_at.len() - 1) as f64 / ((b - a) as f64 / 1000.0),
             _ => 0.0,
         }
+    }
+
+    /// The share of the plan's threads in use from the first take to the last solve.
+    fn thread_use(&self, threads: u32) -> f64 {
+        self.busy_secs / (f64::from(threads) * self.span_secs.max(1e-9))
     }
 
     fn paid_twice(&self) -> usize {
@@ -60,6 +69,7 @@ impl Outcome {
              | NO_SLOT answers (most in a minute) / bans | {} ({}) / {} |\n\
              | peak tasks in work (plan) | {} ({threads}) |\n\
              | release rate / what the plan allows | {:.2}/s / {plan:.2}/s = {:.1} % |\n\
+             | threads in use, first take to last solve | {:.1} % |\n\
              | burst -> solved | p50 {:.1} s, p95 {:.1} s, max {:.1} s |",
             self.submitted,
             self.accepted,
@@ -74,6 +84,7 @@ impl Outcome {
             self.peak_in_work,
             self.release_rate(),
             100.0 * self.release_rate() / plan,
+            100.0 * self.thread_use(threads),
             percentile(&self.burst_to_solved, 50.0),
             percentile(&self.burst_to_solved, 95.0),
             percentile(&self.burst_to_solved, 100.0),
@@ -111,7 +122,10 @@ async fn burst(w: &World, n: usize, run: Duration) -> anyhow::Result<Outcome> {
     let fake_tasks = w.fake.tasks();
     let mut paid: HashMap<TaskRef, usize> = HashMap::new();
     let mut accepted_at: Vec<u64> = Vec::new();
+    let (mut busy_secs, mut last_solved) = (0.0, 0u64);
     for ft in &fake_tasks {
+        busy_secs += ft.solved_at.since(ft.submitted_at).as_secs_f64();
+        last_solved = last_solved.max(ft.solved_at.as_millis());
         // The signed pingback path names our task: /callback/{ref}/{sig}.
         let r = ft.pingback.as_deref().and_then(|p| TaskRef::parse(p.split('/').rev().nth(1)?).ok());
         if let Some(r) = r {
@@ -144,8 +158,10 @@ async fn burst(w: &World, n: usize, run: Duration) -> anyhow::Result<Outcome> {
         max_no_slot_per_minute: w.fake.max_no_slot_per_minute(),
         bans: c.bans,
         peak_in_work: w.fake.peak_in_work(),
+        span_secs: last_solved.saturating_sub(accepted_at.first().copied().unwrap_or(last_solved)) as f64 / 1000.0,
         accepted_at,
         burst_to_solved,
+        busy_secs,
     })
 }
 
@@ -297,5 +313,34 @@ async fn a_task_that_waits_longer_than_the_queue_allows_fails_unsent() -> anyhow
         w.deployed.queue.max_wait.as_secs(),
         w.fake.counts().no_slot
     );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_against_captchaai_at_its_worst_loses_nothing_and_pays_once() -> anyhow::Result<()> {
+    // Realistic solve times (Turnstile 10–15 s), 30 % of pingbacks dropped (those tasks look busy
+    // until the poller reads them, 20 s after submit), 10 % duplicated, 5 % unsolvable.
+    let w = World::start(FakeConfig {
+        threads: Some(10),
+        drop_callbacks: 0.3,
+        duplicate_callbacks: 0.1,
+        unsolvable: 0.05,
+        ..FakeConfig::captchaai_like()
+    })
+    .await?;
+    w.schedule_poller(w.clock.now());
+    let o = burst(&w, 200, Duration::from_secs(900)).await?;
+    let unsolvable = w.fake.tasks().iter().filter(|t| t.answer.as_deref() == Some("ERROR_CAPTCHA_UNSOLVABLE")).count();
+    println!(
+        "{}\n| unsolvable (CaptchaAI's verdict, recorded) | {unsolvable} |",
+        o.table("200 at once, 10 threads, realistic solve times, 30 % of pingbacks dropped", 10, 12.5)
+    );
+    assert_eq!(o.accepted, 200, "none bounced");
+    assert_eq!(o.solved + unsolvable, 200, "every task ends with CaptchaAI's result");
+    assert_eq!((o.paid.len(), o.paid_twice()), (200, 0));
+    assert_eq!(o.in_php, 200 + o.no_slot);
+    assert!(o.max_no_slot_per_minute <= 60 && o.bans == 0, "no ban risked: {}", o.max_no_slot_per_minute);
+    assert!(o.peak_in_work <= 10);
+    assert!(o.thread_use(10) > 0.8, "the plan's threads in use: {:.1} %", 100.0 * o.thread_use(10));
     Ok(())
 }
