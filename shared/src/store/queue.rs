@@ -3,9 +3,9 @@
 //! A queued task is a task item in state `queued` that carries what in.php needs (the request,
 //! as JSON, and its signed pingback URL) and `sq_key = q#<lane>`, `sq_at = <queued at>`: it is
 //! listed, oldest first, in the sparse keys-only `submit-queue` index under its lane. The same
-//! index lists the tasks CaptchaAI is likely working on — `sq_key = w#<shard>`, `sq_at = <sent
-//! + the kind's typical solve time>` ([`crate::domain::CaptchaKind::busy_for`]) — from the moment
-//! the relay starts sending it to the write that records its result. Counting those is how the
+//! index lists the tasks CaptchaAI is likely working on — `sq_key = w#<shard>`, `sq_at` = when
+//! it was sent plus its kind's typical solve time ([`crate::domain::CaptchaKind::busy_for`]) —
+//! from the moment the relay starts sending it to the write that records its result. Counting those is how the
 //! submitter knows how many threads are in use; one index, so an existing stack adds it in one
 //! deploy.
 //!
