@@ -4,6 +4,8 @@
 # runnable alone (it then starts its own moto). Arguments go to relay-e2e:
 #   infra/e2e.sh                               200 tasks, the test command's run
 #   infra/e2e.sh --tasks 1000 --chaos --ban    the documented chaos run on this stack
+#   --threads N                                the fake CaptchaAI's thread plan (default 18,
+#                                              0 = unlimited): a burst above it is queued
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -16,5 +18,6 @@ from cfnlint.decode import cfn_yaml
 json.dump(cfn_yaml.load("template.yaml"), open("target/template.json", "w"), default=str)
 PY
 export RELAY_TEMPLATE_JSON="$root/target/template.json"
-cargo build --locked --bins -p relay-api -p relay-callback -p relay-poller -p relay-redrive -p relay-delivery -p relay-e2e
+cargo build --locked --bins -p relay-api -p relay-callback -p relay-poller -p relay-redrive -p relay-delivery \
+  -p relay-submitter -p relay-e2e
 target/debug/relay-e2e "$@"

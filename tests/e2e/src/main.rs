@@ -2,32 +2,44 @@
 //! no Docker), against moto (DynamoDB and SQS) with the table and queues created from what
 //! `template.yaml` declares, and the fake CaptchaAI delivering pingbacks over HTTP.
 //!
-//! This harness plays the parts AWS plays: the schedule (it invokes the poller and the delivery
-//! sweep once a minute, invocations may overlap), the SQS event source (receive with the queue's
-//! own visibility timeout → invoke the redrive function with a real SQS event → delete all but
-//! the reported failures), and the DynamoDB stream event source (moto's table stream, read with
-//! GetRecords, filtered by the template's FilterCriteria, batched into DynamoDB stream events for
-//! the delivery function, retried 3 times, then counted as sent to the failures queue), and the
-//! delivery function's retry queue (its delayed messages received as they become visible, each
-//! batch an SQS event for the delivery function). Half the
+//! This harness plays the parts AWS plays: the schedules (it invokes the poller, the delivery
+//! sweep and the submitter once a minute, invocations may overlap), the SQS event source
+//! (receive with the queue's own visibility timeout → invoke the redrive function with a real SQS
+//! event → delete all but the reported failures), the DynamoDB stream's event source mappings
+//! (moto's table stream, read with GetRecords by each mapping with its own iterator, filtered by
+//! its FilterCriteria from the template, batched by its BatchSize into DynamoDB stream events,
+//! one batch in flight at a time, records older than its MaximumRecordAgeInSeconds dropped): the
+//! delivery function's (a failed batch retried 3 times, then counted as sent to the failures
+//! queue) and the submitter's wake-ups (writes of the `submitq#wake` item; a failed invocation is
+//! not retried, only counted), and the delivery function's retry queue (its delayed messages
+//! received as they become visible, each batch an SQS event for the delivery function). Half the
 //! tasks carry an owner callback URL pointing at a receiver on loopback that fails by pattern
 //! (500 once, 410): every push must end delivered or gone, one `webhook-id` per task, each
-//! signature accepted by the Standard Webhooks reference library. The relay runs with the template's defaults (callback grace per kind, poll rate,
-//! batching off); on real time, only the fake's timings are compressed.
+//! signature accepted by the Standard Webhooks reference library. The relay runs with the
+//! template's defaults (callback grace per kind, poll rate, batching off, the submit queue's
+//! settings); on real time, only the fake's timings are compressed.
 //!
-//!   relay-e2e [--tasks N] [--chaos] [--ban] [--seed S]
+//!   relay-e2e [--tasks N] [--chaos] [--ban] [--seed S] [--threads N]
 //!
 //! Default (the test command's run): 200 tasks of every kind, 30 % of callbacks dropped, 10 %
-//! duplicated, a burst of failed result writes. `--chaos` adds everything the local chaos run
-//! injects that this stack can: 10 % late and 5 % conflicting pingbacks, 10 % of store writes
-//! failing, a store outage, SQS sends failing in bursts, res.php 5xx and HTML bursts; `--ban`
-//! one IP ban (5 minutes, as CaptchaAI gives it). The documented run:
+//! duplicated, a burst of failed result writes, and a CaptchaAI plan of 18 threads (`--threads`,
+//! 0 = unlimited): the owner's burst goes above it, so most tasks wait in the submit queue
+//! (answered 202 `queued`, `OK|<id>` on /in.php — accepted tasks the owner reads until final as
+//! any other) and the submitter releases them as threads free, meeting "no slot" answers.
+//! `--chaos` adds everything the local chaos run injects that this stack can: 10 % late and 5 %
+//! conflicting pingbacks, 10 % of store writes failing, a store outage, SQS sends failing in
+//! bursts, res.php 5xx and HTML bursts; `--ban` one IP ban (5 minutes, as CaptchaAI gives it).
+//! The documented run:
 //!
 //!   infra/e2e.sh --tasks 1000 --chaos --ban
 //!
 //! Pass: every task ends with the fake's solution or error, written once (lost = 0,
-//! double-applied = 0), one in.php call per task, ≤ 20 res.php reads per task, no ban but the
-//! injected one, no stale token handed out, no dead letter left, metrics from every function.
+//! double-applied = 0), every in.php call a task the fake accepted or an explicit NO_SLOT
+//! refusal (or, with `--ban`, a request the ban answered), no task paid twice, ≤ 20 res.php
+//! reads per task, no ban but the injected one, at most 60 NO_SLOT answers in any minute, no
+//! stale token handed out, no dead letter left, metrics from every function; with a thread plan,
+//! tasks queued at submit and the submitter woken by the stream. Failed submitter invocations
+//! are reported, not failures by themselves (neither of its triggers retries).
 //!
 //! Needs: `RELAY_TEMPLATE_JSON` (template.yaml as JSON) and `cargo lambda` on PATH
 //! (`infra/e2e.sh` provides both); moto from `RELAY_TEST_SQS_ENDPOINT`, or one it starts.
@@ -195,6 +207,14 @@ impl Emulator {
     }
 }
 
+const USAGE: &str = "relay-e2e [--tasks N] [--chaos] [--ban] [--seed S] [--threads N]";
+
+/// The fake CaptchaAI's thread plan by default: small enough that a burst of submits waits in
+/// the submit queue, large enough that the run takes about what it took before the queue.
+/// (Measured on 2 cores at seed 7: 8 threads took 436 s, 16 took 271 s, 18 took 149 s with
+/// 153 tasks queued and a few NO_SLOT answers, 20 and more met no NO_SLOT answer.)
+const DEFAULT_THREADS: u32 = 18;
+
 /// What the run does.
 #[derive(Debug, Clone)]
 struct Config {
@@ -202,11 +222,13 @@ struct Config {
     chaos: bool,
     ban: bool,
     seed: u64,
+    /// The fake's thread plan (tasks in work at once; 0 = unlimited).
+    threads: u32,
 }
 
 impl Config {
     fn from_args() -> anyhow::Result<Self> {
-        let mut c = Self { tasks: 200, chaos: false, ban: false, seed: 7 };
+        let mut c = Self { tasks: 200, chaos: false, ban: false, seed: 7, threads: DEFAULT_THREADS };
         let mut args = std::env::args().skip(1);
         while let Some(a) = args.next() {
             let mut num = |name: &str| -> anyhow::Result<u64> {
@@ -218,13 +240,14 @@ impl Config {
             match a.as_str() {
                 "--tasks" => c.tasks = usize::try_from(num("--tasks")?)?,
                 "--seed" => c.seed = num("--seed")?,
+                "--threads" => c.threads = u32::try_from(num("--threads")?)?,
                 "--chaos" => c.chaos = true,
                 "--ban" => c.ban = true,
                 "-h" | "--help" => {
-                    println!("relay-e2e [--tasks N] [--chaos] [--ban] [--seed S]");
+                    println!("{USAGE}");
                     std::process::exit(0);
                 }
-                other => bail!("unknown argument `{other}` (relay-e2e [--tasks N] [--chaos] [--ban] [--seed S])"),
+                other => bail!("unknown argument `{other}` ({USAGE})"),
             }
         }
         ensure!(c.tasks > 0, "--tasks must be at least 1");
@@ -242,6 +265,9 @@ struct Owned {
     done: bool,
     /// The owner callback URL it was submitted with.
     callback: Option<String>,
+    /// Answered as queued at submit (202 `queued` on /tasks; on /in.php, whose `OK|<id>` says
+    /// nothing of it, the task read from the store right after the answer).
+    queued: bool,
 }
 
 /// The in.php form a 2captcha client sends for a kind (the relay key added by the caller).
@@ -273,15 +299,19 @@ async fn res_compat(emu: &Emulator, task_ref: &str, key: &str) -> anyhow::Result
 /// Submits as a careful client does: an idempotency key; on a 429, or a 503 that says retrying
 /// is safe, again after `Retry-After` with the same key; on no answer, again after 2 s. With a
 /// relay key, through the 2captcha-compatible `/in.php` as an SDK would (retrying a 503 or
-/// `ERROR_NO_SLOT_AVAILABLE`). Returns the task's reference.
+/// `ERROR_NO_SLOT_AVAILABLE`). A submit answered 202 `queued` (`OK|<id>` on /in.php) is an
+/// accepted task like any other. Returns the task's reference and whether it was queued: on
+/// /tasks the answer says so; on /in.php the task as the store holds it right after the answer
+/// does (still queued, or released by the submitter since: `released_at` is set).
 async fn submit(
     emu: &Emulator,
+    store: &relay_shared::store::TaskStore,
     cfg: &Config,
     n: usize,
     kind: CaptchaKind,
     relay_key: Option<&str>,
     callback: Option<&str>,
-) -> anyhow::Result<String> {
+) -> anyhow::Result<(String, bool)> {
     let json_body = match callback {
         Some(url) => {
             let mut v: Value = serde_json::from_str(body_for(kind))?;
@@ -316,7 +346,11 @@ async fn submit(
                 let text = resp.text().await.unwrap_or_default();
                 if relay_key.is_some() {
                     if let Some(id) = text.strip_prefix("OK|") {
-                        return Ok(relay_shared::domain::TaskRef::from_compat_id(id)?.to_string());
+                        let task_ref = relay_shared::domain::TaskRef::from_compat_id(id)?;
+                        let task = store.get(&task_ref).await?.context("an accepted compat task is not stored")?;
+                        let queued = matches!(task.state, relay_shared::domain::TaskState::Queued { .. })
+                            || task.released_at.is_some();
+                        return Ok((task_ref.to_string(), queued));
                     }
                     ensure!(
                         status == 503 || text == "ERROR_NO_SLOT_AVAILABLE",
@@ -326,7 +360,8 @@ async fn submit(
                 } else {
                     let v: Value = serde_json::from_str(&text).unwrap_or_default();
                     if matches!(status, 200 | 202) {
-                        return Ok(s(&v["task_ref"])?.to_owned());
+                        let queued = status == 202 && v["status"] == "queued";
+                        return Ok((s(&v["task_ref"])?.to_owned(), queued));
                     }
                     ensure!(
                         matches!(status, 429 | 503) && v["error"]["retry_safe"] == true,
@@ -369,6 +404,10 @@ async fn read_open(emu: &Emulator, owned: &std::sync::Mutex<Vec<Owned>>) {
             }
         }
     }
+}
+
+fn threads_text(threads: u32) -> String {
+    if threads == 0 { "unlimited".into() } else { threads.to_string() }
 }
 
 fn percentile(v: &[f64], p: f64) -> f64 {
@@ -430,7 +469,24 @@ async fn main() -> anyhow::Result<()> {
         ("DELIVERY_URL_POLICY", "allow_loopback".into()),
         ("RUST_LOG", "info".into()),
     ];
-    let env_arg = env.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>();
+    let mut env_arg = env.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>();
+    // The submit queue's settings, as the template deploys them (the API's and the submitter's
+    // are the same parameters): every variable the submitter gets from a parameter with a
+    // default, unless set above (its key comes as CAPTCHAAI_API_KEY, not a parameter's name;
+    // an empty CALLBACK_GRACE_SECS means per kind, as the code's default).
+    let vars = template["Resources"]["SubmitterFunction"]["Properties"]["Environment"]["Variables"]
+        .as_object()
+        .context("the submitter's environment in the template")?;
+    for (name, v) in vars {
+        let value = match resolve(&template, v) {
+            Value::String(s) => s,
+            Value::Number(n) => n.to_string(),
+            _ => continue,
+        };
+        if !value.is_empty() && !name.ends_with("_PARAM") && !env.iter().any(|(k, _)| k == name) {
+            env_arg.push(format!("{name}={value}"));
+        }
+    }
     let log_path = "target/e2e-lambda.log";
     let log = std::fs::File::create(log_path)?;
     let mut cmd = tokio::process::Command::new("cargo");
@@ -472,13 +528,13 @@ async fn main() -> anyhow::Result<()> {
         receiver: &receiver,
         webhook_secret: &webhook_secret,
     };
-    let result = scenario(&cfg, &parts, visibility, &table, &moto).await;
+    let result = scenario(&cfg, &parts, &template, visibility, &table, &moto).await;
     let _ = child.kill().await;
     let logs = std::fs::read_to_string(log_path).unwrap_or_default();
     let metric_docs = logs.lines().filter(|l| l.contains("\"_aws\"") && l.contains("CaptchaRelay")).count();
     let result = result.and_then(|report| {
         ensure!(metric_docs > 0, "no EMF metric documents in {log_path}");
-        let silent: Vec<&str> = ["api", "callback", "poller", "redrive", "delivery"]
+        let silent: Vec<&str> = ["api", "callback", "poller", "redrive", "delivery", "submitter"]
             .into_iter()
             .filter(|s| !logs.lines().any(|l| l.contains("\"_aws\"") && l.contains(&format!("\"service\":\"{s}\""))))
             .collect();
@@ -555,21 +611,53 @@ fn fake_config(cfg: &Config) -> FakeConfig {
             },
         ];
     }
+    // The account's thread plan: a submit while that many tasks are in work is answered
+    // ERROR_NO_SLOT_AVAILABLE (and NO_SLOT answers, repeated, ban).
+    c.threads = (cfg.threads > 0).then_some(cfg.threads);
     c
 }
 
-async fn scenario(cfg: &Config, p: &Parts<'_>, visibility: i32, table: &str, moto: &str) -> anyhow::Result<Report> {
+/// One invocation of the submitter: what started it, and its run report (or why it failed).
+#[derive(Debug, Clone)]
+struct SubmitterRun {
+    trigger: &'static str,
+    report: Result<Value, String>,
+}
+
+type SubmitterRuns = std::sync::Arc<std::sync::Mutex<Vec<SubmitterRun>>>;
+
+fn record_run(runs: &SubmitterRuns, trigger: &'static str, result: &anyhow::Result<Value>) {
+    if let Err(e) = result {
+        eprintln!("submitter invocation ({trigger}) failed: {e:#}");
+    }
+    let report = match result {
+        Ok(v) => Ok(v.clone()),
+        Err(e) => Err(format!("{e:#}")),
+    };
+    if let Ok(mut r) = runs.lock() {
+        r.push(SubmitterRun { trigger, report });
+    }
+}
+
+async fn scenario(
+    cfg: &Config,
+    p: &Parts<'_>,
+    template: &Value,
+    visibility: i32,
+    table: &str,
+    moto: &str,
+) -> anyhow::Result<Report> {
     let t0 = Instant::now();
+    let store = relay_shared::store::TaskStore::new(client_for(moto), table, Duration::from_secs(7 * 86_400));
     // A relay key, made as `relay-ops keys create` makes one, in the table the functions use.
-    let relay_key = relay_shared::store::TaskStore::new(client_for(moto), table, Duration::from_secs(7 * 86_400))
-        .create_relay_key("e2e", SystemClock.now())
-        .await?;
+    let relay_key = store.create_relay_key("e2e", SystemClock.now()).await?;
     let relay_key = secrecy::ExposeSecret::expose_secret(&relay_key);
     let owned = std::sync::Arc::new(std::sync::Mutex::new(Vec::<Owned>::with_capacity(cfg.tasks)));
     let stop = std::sync::atomic::AtomicBool::new(false);
     let schedule: Value =
         serde_json::from_str(include_str!("../../../functions/poller/tests/fixtures/scheduler-event.json"))?;
     let invocations = std::sync::Arc::new(std::sync::Mutex::new(Vec::<Value>::new()));
+    let submitter_runs = SubmitterRuns::default();
     let drained = std::sync::atomic::AtomicUsize::new(0);
     if cfg.chaos {
         p.flaky.set_write_failure_rate(0.1);
@@ -599,9 +687,10 @@ async fn scenario(cfg: &Config, p: &Parts<'_>, visibility: i32, table: &str, mot
                 let pattern = ["ok", "ok", "ok", "once", "gone"][(n / 2) % 5];
                 format!("{}/{pattern}/{n}", p.receiver.base_url)
             });
-            let task_ref = submit(p.emu, cfg, n, kind, (n % 4 == 3).then_some(relay_key), callback.as_deref()).await?;
+            let relay_key = (n % 4 == 3).then_some(relay_key);
+            let (task_ref, queued) = submit(p.emu, &store, cfg, n, kind, relay_key, callback.as_deref()).await?;
             if let Ok(mut o) = owned.lock() {
-                o.push(Owned { kind, task_ref, handed_out: None, done: false, callback });
+                o.push(Owned { kind, task_ref, handed_out: None, done: false, callback, queued });
             }
             // Under the relay's account-wide pace (14 a second, below MAX_USER_TURN).
             tokio::time::sleep(Duration::from_millis(75)).await;
@@ -652,6 +741,12 @@ async fn scenario(cfg: &Config, p: &Parts<'_>, visibility: i32, table: &str, mot
                 if let Err(e) = emu.invoke("relay-delivery", &sweep).await {
                     eprintln!("delivery sweep failed: {e:#}");
                 }
+            });
+            // The submitter's schedule (its backstop; no retry of a failed invocation).
+            let (emu, event, runs) = (p.emu.clone(), schedule.clone(), submitter_runs.clone());
+            running.spawn(async move {
+                let result = emu.invoke("relay-submitter", &event).await;
+                record_run(&runs, "schedule", &result);
             });
             let (emu, schedule, invocations) = (p.emu.clone(), schedule.clone(), invocations.clone());
             running.spawn(async move {
@@ -705,12 +800,27 @@ async fn scenario(cfg: &Config, p: &Parts<'_>, visibility: i32, table: &str, mot
             }
         }
     };
-    // The DynamoDB stream event source.
+    // The DynamoDB stream's event source mappings, each with its own iterator and filter: the
+    // delivery function's (retried, then to the failures queue) and the submitter's wake-ups
+    // (never retried: a failed one is counted, the schedule is the backstop).
     let stream_failed = std::sync::atomic::AtomicUsize::new(0);
+    // (Its failed wake-ups are in `submitter_runs`.)
+    let wake_failed = std::sync::atomic::AtomicUsize::new(0);
+    let wake_too_old = std::sync::atomic::AtomicUsize::new(0);
     let stream = async {
-        if let Err(e) = stream_source(p.emu, moto, table, &stop, &stream_failed).await {
-            eprintln!("stream event source failed: {e:#}");
-            stream_failed.fetch_add(1_000_000, std::sync::atomic::Ordering::SeqCst);
+        let delivery =
+            StreamConsumer { function: "relay-delivery", resource: "DeliveryFunction", event: "TableStream" };
+        let wake = StreamConsumer { function: "relay-submitter", resource: "SubmitterFunction", event: "Wake" };
+        let record = |result: &anyhow::Result<Value>| record_run(&submitter_runs, "stream", result);
+        let (d, w) = tokio::join!(
+            stream_source(p.emu, template, moto, table, &stop, &delivery, &stream_failed, &stream_failed, &|_| {}),
+            stream_source(p.emu, template, moto, table, &stop, &wake, &wake_failed, &wake_too_old, &record),
+        );
+        for (name, result) in [("delivery", d), ("submitter", w)] {
+            if let Err(e) = result {
+                eprintln!("stream event source ({name}) failed: {e:#}");
+                stream_failed.fetch_add(1_000_000, std::sync::atomic::Ordering::SeqCst);
+            }
         }
     };
     let owner = async {
@@ -752,6 +862,10 @@ async fn scenario(cfg: &Config, p: &Parts<'_>, visibility: i32, table: &str, mot
         t0,
         relay_key,
         (stream_failed.load(std::sync::atomic::Ordering::SeqCst), retries.load(std::sync::atomic::Ordering::SeqCst)),
+        &Submitter {
+            runs: submitter_runs.lock().map(|r| r.clone()).unwrap_or_default(),
+            wakes_too_old: wake_too_old.load(std::sync::atomic::Ordering::SeqCst),
+        },
     )
     .await
 }
@@ -793,35 +907,95 @@ async fn streams_call(http: &reqwest::Client, moto: &str, op: &str, body: &Value
     Ok(serde_json::from_str(&text)?)
 }
 
-/// Whether a stream record passes the template's FilterCriteria for the delivery function.
-fn passes_filter(template_pattern: &Value, record: &Value) -> bool {
-    let Some(want) = template_pattern["dynamodb"]["NewImage"].as_object() else { return false };
-    let image = &record["dynamodb"]["NewImage"];
-    want.iter().all(|(attr, rule)| {
-        let Some((ty, conds)) = rule.as_object().and_then(|o| o.iter().next()) else { return false };
-        let present = image[attr][ty] != Value::Null;
-        conds.as_array().is_some_and(|c| c.iter().all(|c| c["exists"].as_bool() == Some(present)))
+/// A function the table's stream invokes: its binary, and the template's resource and DynamoDB
+/// event that map the stream to it.
+struct StreamConsumer {
+    function: &'static str,
+    resource: &'static str,
+    event: &'static str,
+}
+
+/// An event source mapping's settings, as the template declares them.
+#[derive(Debug)]
+struct Mapping {
+    /// The FilterCriteria's patterns (a record passes if any matches).
+    patterns: Vec<Value>,
+    batch_size: usize,
+    retries: u32,
+    max_age: Option<f64>,
+}
+
+impl Mapping {
+    fn from_template(template: &Value, c: &StreamConsumer) -> anyhow::Result<Self> {
+        let event = &template["Resources"][c.resource]["Properties"]["Events"][c.event];
+        ensure!(event["Type"] == "DynamoDB", "{}.Events.{} is not a DynamoDB stream event", c.resource, c.event);
+        let props = &event["Properties"];
+        let patterns = props["FilterCriteria"]["Filters"]
+            .as_array()
+            .with_context(|| format!("{}.Events.{}: FilterCriteria", c.resource, c.event))?
+            .iter()
+            .map(|f| Ok(serde_json::from_str(s(&f["Pattern"])?)?))
+            .collect::<anyhow::Result<Vec<Value>>>()?;
+        let num = |name: &str| {
+            resolve(template, &props[name])
+                .as_u64()
+                .with_context(|| format!("{}.Events.{}: {name}", c.resource, c.event))
+        };
+        Ok(Self {
+            patterns,
+            batch_size: usize::try_from(num("BatchSize")?)?,
+            retries: u32::try_from(num("MaximumRetryAttempts")?)?,
+            max_age: num("MaximumRecordAgeInSeconds").ok().map(|v| v as f64),
+        })
+    }
+
+    fn passes(&self, record: &Value) -> bool {
+        self.patterns.iter().any(|p| passes_filter(p, record))
+    }
+}
+
+/// Whether a stream record passes one FilterCriteria pattern, as Lambda's event filtering reads
+/// it: every key of the pattern present in the record (nested objects matched level by level),
+/// and each leaf matching one of its list's rules — a string or number equal to the value, or
+/// `{"exists": true|false}` (the leaf present or not).
+fn passes_filter(pattern: &Value, record: &Value) -> bool {
+    let Some(fields) = pattern.as_object() else { return false };
+    fields.iter().all(|(key, rule)| {
+        let value = &record[key];
+        match rule {
+            Value::Object(_) => passes_filter(rule, value),
+            Value::Array(rules) => rules.iter().any(|r| match r {
+                Value::Object(o) => match o.get("exists").and_then(Value::as_bool) {
+                    Some(exists) if o.len() == 1 => exists == (*value != Value::Null),
+                    _ => false,
+                },
+                Value::String(_) | Value::Number(_) | Value::Bool(_) => r == value,
+                _ => false,
+            }),
+            _ => false,
+        }
     })
 }
 
-/// The stream event source: reads the table's stream from its start, keeps the records the
-/// template's filter passes, and invokes the delivery function with batches of up to 100 (a
-/// batch that fails is retried 3 times, then counted as sent to the failures queue).
+/// An event source mapping of the table's stream: reads the stream from its start with its own
+/// iterator, keeps the records its FilterCriteria pass, drops those older than its
+/// `MaximumRecordAgeInSeconds` (counted in `too_old`), and invokes the function with batches of
+/// its `BatchSize`, one at a time (one shard, one batch in flight, as Lambda does); a batch that
+/// fails is retried `MaximumRetryAttempts` times, then counted in `failed` (for the delivery
+/// function: sent to its failures queue). `invoked` sees every invocation's result.
+#[allow(clippy::too_many_arguments)]
 async fn stream_source(
     emu: &Emulator,
+    template: &Value,
     moto: &str,
     table: &str,
     stop: &std::sync::atomic::AtomicBool,
+    consumer: &StreamConsumer,
     failed: &std::sync::atomic::AtomicUsize,
+    too_old: &std::sync::atomic::AtomicUsize,
+    invoked: &(dyn Fn(&anyhow::Result<Value>) + Sync),
 ) -> anyhow::Result<()> {
-    let template: Value = serde_json::from_str(&std::fs::read_to_string(std::env::var("RELAY_TEMPLATE_JSON")?)?)?;
-    let events = &template["Resources"]["DeliveryFunction"]["Properties"]["Events"];
-    let pattern_text = events
-        .as_object()
-        .and_then(|e| e.values().find(|v| v["Type"] == "DynamoDB"))
-        .and_then(|e| e["Properties"]["FilterCriteria"]["Filters"][0]["Pattern"].as_str())
-        .context("the delivery function's stream filter")?;
-    let pattern: Value = serde_json::from_str(pattern_text)?;
+    let mapping = Mapping::from_template(template, consumer)?;
     let http = reqwest::Client::new();
     let streams = streams_call(&http, moto, "ListStreams", &json!({ "TableName": table })).await?;
     let arn = s(&streams["Streams"][0]["StreamArn"])?.to_owned();
@@ -846,16 +1020,35 @@ async fn stream_source(
             }
             let records: Vec<Value> = out["Records"]
                 .as_array()
-                .map(|r| r.iter().filter(|r| passes_filter(&pattern, r)).cloned().collect())
+                .map(|r| r.iter().filter(|r| mapping.passes(r)).cloned().collect())
                 .unwrap_or_default();
-            for batch in records.chunks(100) {
+            for batch in records.chunks(mapping.batch_size.max(1)) {
                 any = true;
-                let event = json!({ "Records": batch });
+                // Records too old when their batch comes up are not sent (Lambda discards them).
+                let now = SystemClock.now().as_millis() as f64 / 1_000.0;
+                let (fresh, old): (Vec<&Value>, Vec<&Value>) = batch.iter().partition(|r| {
+                    let created = r["dynamodb"]["ApproximateCreationDateTime"].as_f64();
+                    match (mapping.max_age, created) {
+                        (Some(max), Some(at)) => now - at <= max,
+                        _ => true,
+                    }
+                });
+                too_old.fetch_add(old.len(), std::sync::atomic::Ordering::SeqCst);
+                if fresh.is_empty() {
+                    continue;
+                }
+                let event = json!({ "Records": fresh });
                 let mut tries = 0;
-                while let Err(e) = emu.invoke("relay-delivery", &event).await {
+                loop {
+                    let result = emu.invoke(consumer.function, &event).await;
+                    invoked(&result);
+                    let Err(e) = result else { break };
                     tries += 1;
-                    if tries > 3 {
-                        eprintln!("stream batch failed 4 times, to the failures queue: {e:#}");
+                    if tries > mapping.retries {
+                        eprintln!(
+                            "{} stream batch failed {tries} time(s), not retried further: {e:#}",
+                            consumer.function
+                        );
                         failed.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                         break;
                     }
@@ -867,6 +1060,13 @@ async fn stream_source(
         }
     }
     Ok(())
+}
+
+/// What the harness saw of the submitter.
+struct Submitter {
+    runs: Vec<SubmitterRun>,
+    /// Wake records dropped for their age before an invocation took them.
+    wakes_too_old: usize,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -882,6 +1082,7 @@ async fn check(
     t0: Instant,
     relay_key: &str,
     (stream_failed, retries): (usize, usize),
+    sub: &Submitter,
 ) -> anyhow::Result<Report> {
     use relay_shared::domain::{Outcome, TaskRef, TaskState};
     let (mut compat_tasks, mut compat_disagree) = (0usize, Vec::new());
@@ -893,8 +1094,15 @@ async fn check(
     let (mut lost, mut stale, mut open, mut expired, mut max_reads) = (Vec::new(), 0usize, 0usize, 0usize, 0u32);
     let mut by_via: HashMap<&'static str, usize> = HashMap::new();
     let mut ages: HashMap<String, Vec<f64>> = HashMap::new();
+    // Per route (/tasks, /in.php): tasks, of them answered queued, of them released from the
+    // queue by the submitter (the store keeps `released_at`).
+    let mut routes = [(0usize, 0usize, 0usize); 2];
     for o in owned {
         let task = store.get(&TaskRef::parse(&o.task_ref)?).await?.context("a task vanished")?;
+        let route = &mut routes[usize::from(task.task_ref.compat_id().is_some())];
+        route.0 += 1;
+        route.1 += usize::from(o.queued);
+        route.2 += usize::from(task.released_at.is_some());
         let ft = task.captcha_id.as_ref().and_then(|i| fake_tasks.get(&i.to_string()));
         if let Some(ft) = ft {
             max_reads = max_reads.max(ft.reads);
@@ -981,6 +1189,22 @@ async fn check(
     }
     let double_paid = per_ref.values().filter(|n| **n > 1).count();
     let invs = invocations.lock().map(|i| i.clone()).unwrap_or_default();
+    let queued: usize = routes.iter().map(|r| r.1).sum();
+    let runs_by = |trigger: &str| sub.runs.iter().filter(|r| r.trigger == trigger).count();
+    let failed_by = |trigger: &str| sub.runs.iter().filter(|r| r.trigger == trigger && r.report.is_err()).count();
+    let run_sum =
+        |field: &str| -> u64 { sub.runs.iter().filter_map(|r| r.report.as_ref().ok()?[field].as_u64()).sum() };
+    let held_elsewhere =
+        sub.runs.iter().filter(|r| r.report.as_ref().is_ok_and(|v| v["lease_held_elsewhere"] == true)).count();
+    let (by_stream, by_schedule) = (runs_by("stream"), runs_by("schedule"));
+    // Every in.php call either made a task (paid) or was refused explicitly (NO_SLOT: nothing
+    // taken); during the injected ban, in.php calls are answered with the ban (nothing taken).
+    let explained = counts.tasks_accepted + counts.no_slot;
+    let in_php_ok = if cfg.ban {
+        counts.in_php >= explained && counts.in_php - explained <= counts.requests_during_ban
+    } else {
+        counts.in_php == explained
+    };
     let over_deadline = invs.iter().filter(|v| v["over_deadline"] == true).count();
     let left = p.dlq.depth().await? + p.poison.depth().await?;
     let bans_allowed = u64::from(cfg.ban);
@@ -1009,7 +1233,26 @@ async fn check(
         ("result replaced by an earlier-received one", p.flaky.replaced_results().to_string()),
         ("DOUBLE-PAID", double_paid.to_string()),
         ("STALE HANDED OUT", stale.to_string()),
-        ("in.php calls / tasks accepted", format!("{} / {}", counts.in_php, counts.tasks_accepted)),
+        (
+            "in.php calls / accepted + NO_SLOT",
+            format!("{} / {} + {}", counts.in_php, counts.tasks_accepted, counts.no_slot),
+        ),
+        (
+            "queued at submit: /tasks, /in.php",
+            format!("{} of {}, {} of {}", routes[0].1, routes[0].0, routes[1].1, routes[1].0),
+        ),
+        ("released from the queue", format!("{}", routes[0].2 + routes[1].2)),
+        ("NO_SLOT answers (max in a minute)", format!("{} ({})", counts.no_slot, p.fake.max_no_slot_per_minute())),
+        ("fake threads (peak in work)", format!("{} ({})", threads_text(cfg.threads), p.fake.peak_in_work())),
+        (
+            "submitter runs: schedule / stream",
+            format!("{by_schedule} / {by_stream} (failed {} / {})", failed_by("schedule"), failed_by("stream")),
+        ),
+        (
+            "submitter: sent / NO_SLOT / lease held",
+            format!("{} / {} / {held_elsewhere}", run_sum("released"), run_sum("no_slot")),
+        ),
+        ("wake records dropped (too old)", sub.wakes_too_old.to_string()),
         ("res.php requests (max per task)", format!("{} ({max_reads})", counts.res_php)),
         (
             "bans (injected) / requests in it",
@@ -1060,6 +1303,22 @@ async fn check(
         format!("{} tasks accepted for {}", counts.tasks_accepted, cfg.tasks),
     );
     need(stale == 0, format!("stale handed out = {stale}"));
+    need(
+        in_php_ok,
+        format!(
+            "{} in.php calls for {} tasks accepted + {} NO_SLOT answers ({} requests during a ban)",
+            counts.in_php, counts.tasks_accepted, counts.no_slot, counts.requests_during_ban
+        ),
+    );
+    need(
+        p.fake.max_no_slot_per_minute() <= 60,
+        format!("{} NO_SLOT answers in a minute (at most 60)", p.fake.max_no_slot_per_minute()),
+    );
+    if cfg.threads > 0 {
+        // A plan smaller than the burst: the queue must have been used, and woken by the stream.
+        need(queued > 0, "no task was queued at submit".into());
+        need(by_stream > 0, "the stream never invoked the submitter".into());
+    }
     need(max_reads <= 20, format!("a task cost {max_reads} res.php reads"));
     need(counts.bans <= bans_allowed, format!("banned {} times ({bans_allowed} injected)", counts.bans));
     need(open == 0, format!("{open} tasks still open"));
@@ -1138,4 +1397,70 @@ async fn drain_once(emu: &Emulator, dlq: &SqsQueue, visibility: i32) -> anyhow::
         }
     }
     Ok(got.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The template's two stream filters (delivery: a push due and not under a claim; the
+    /// submitter: writes of the wake item).
+    const DELIVERY: &str = r#"{"dynamodb": {"NewImage": {"dlv_shard": {"N": [{"exists": true}]}, "dlv_due": {"N": [{"exists": true}]}, "dlv_lease": {"S": [{"exists": false}]}}}}"#;
+    const WAKE: &str = r#"{"dynamodb": {"Keys": {"pk": {"S": ["submitq#wake"]}}}}"#;
+
+    fn record(pk: &str, image: Option<Value>) -> Value {
+        let mut r = json!({ "eventName": "MODIFY", "dynamodb": { "Keys": { "pk": { "S": pk } } } });
+        if let Some(i) = image {
+            r["dynamodb"]["NewImage"] = i;
+        }
+        r
+    }
+
+    #[test]
+    fn the_delivery_filter_passes_a_push_due_and_not_under_a_claim() -> anyhow::Result<()> {
+        let p: Value = serde_json::from_str(DELIVERY)?;
+        let due = json!({ "pk": { "S": "task#a" }, "dlv_shard": { "N": "3" }, "dlv_due": { "N": "17" } });
+        assert!(passes_filter(&p, &record("task#a", Some(due.clone()))));
+        let mut claimed = due.clone();
+        claimed["dlv_lease"] = json!({ "S": "x" });
+        assert!(!passes_filter(&p, &record("task#a", Some(claimed))));
+        let mut not_due = due;
+        not_due.as_object_mut().context("an object")?.remove("dlv_due");
+        assert!(!passes_filter(&p, &record("task#a", Some(not_due))));
+        // A removal carries no new image.
+        assert!(!passes_filter(&p, &record("task#a", None)));
+        Ok(())
+    }
+
+    #[test]
+    fn the_wake_filter_passes_writes_of_the_wake_item_only() -> anyhow::Result<()> {
+        let p: Value = serde_json::from_str(WAKE)?;
+        let image = json!({ "pk": { "S": "submitq#wake" }, "wake_at": { "N": "1" } });
+        assert!(passes_filter(&p, &record("submitq#wake", Some(image))));
+        assert!(passes_filter(&p, &record("submitq#wake", None)));
+        assert!(!passes_filter(&p, &record("submitq#wakes", None)));
+        assert!(!passes_filter(&p, &record("task#a", Some(json!({ "pk": { "S": "submitq#wake" } })))));
+        // A key of another type, or none.
+        let mut n = record("x", None);
+        n["dynamodb"]["Keys"]["pk"] = json!({ "N": "1" });
+        assert!(!passes_filter(&p, &n));
+        assert!(!passes_filter(&p, &json!({ "dynamodb": {} })));
+        Ok(())
+    }
+
+    #[test]
+    fn a_mapping_reads_its_own_event_from_the_template() -> anyhow::Result<()> {
+        let template = json!({ "Resources": { "F": { "Properties": { "Events": {
+            "Wake": { "Type": "DynamoDB", "Properties": {
+                "BatchSize": 10, "MaximumRetryAttempts": 0, "MaximumRecordAgeInSeconds": 60,
+                "FilterCriteria": { "Filters": [{ "Pattern": WAKE }] } } },
+            "EveryMinute": { "Type": "ScheduleV2", "Properties": {} } } } } } });
+        let c = StreamConsumer { function: "f", resource: "F", event: "Wake" };
+        let m = Mapping::from_template(&template, &c)?;
+        assert_eq!((m.batch_size, m.retries, m.max_age, m.patterns.len()), (10, 0, Some(60.0), 1));
+        assert!(m.passes(&record("submitq#wake", None)));
+        let schedule = StreamConsumer { function: "f", resource: "F", event: "EveryMinute" };
+        assert!(Mapping::from_template(&template, &schedule).is_err());
+        Ok(())
+    }
 }
