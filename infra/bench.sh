@@ -19,8 +19,9 @@ echo "==> building the bench and local mode ($profile)"
 cargo build "${flag[@]}" --locked -p relay-bench -p relay-local
 # The functions (and the hello yardstick) on their own, as a deploy builds them: without the
 # bench's test features.
-echo "==> building the four functions ($profile)"
-cargo build "${flag[@]}" --locked -p relay-api -p relay-callback -p relay-poller -p relay-redrive -p relay-delivery -p relay-bench-hello
+echo "==> building the functions ($profile)"
+cargo build "${flag[@]}" --locked -p relay-api -p relay-callback -p relay-poller -p relay-redrive -p relay-delivery \
+  -p relay-submitter -p relay-bench-hello
 if [ "$profile" = release ] && command -v valgrind >/dev/null; then
   # The release build's twin with its symbols kept: part 1 counts instructions on it
   # (callgrind) and splits them into engine, SDK client and the relay's own work.

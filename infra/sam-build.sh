@@ -9,9 +9,9 @@ export PATH="$root/.venv/bin:$PATH" SAM_CLI_TELEMETRY=0
 rustup target list --installed | grep -qx aarch64-unknown-linux-gnu || rustup target add aarch64-unknown-linux-gnu
 # In source and uncached: copying or hashing target/ would cost more than the build.
 sam build --build-in-source --no-cached
-for f in ApiFunction CallbackFunction PollerFunction RedriveFunction DeliveryFunction; do
+for f in ApiFunction CallbackFunction PollerFunction RedriveFunction DeliveryFunction SubmitterFunction; do
   # ELF e_machine 183 = AArch64.
   python3 -c 'import sys; b=open(sys.argv[1],"rb").read(20); sys.exit(0 if b[:4]==b"\x7fELF" and int.from_bytes(b[18:20],"little")==183 else 1)' \
     ".aws-sam/build/$f/bootstrap" || { echo "$f: no arm64 bootstrap" >&2; exit 1; }
 done
-echo "sam build: 5 arm64 bootstraps"
+echo "sam build: 6 arm64 bootstraps"

@@ -354,7 +354,8 @@ fn functions(opts: &Opts, s: &Stack) -> anyhow::Result<Vec<Function>> {
         f("api (GET /tasks/{ref})", bin("relay-api"), api, "\"statusCode\":200"),
         f("poller (a scheduled tick, nothing due)", bin("relay-poller"), scheduler.clone(), "\"passes\""),
         f("redrive (one dead letter)", bin("relay-redrive"), sqs_event, "batchItemFailures"),
-        f("delivery (a scheduled sweep, nothing due)", bin("relay-delivery"), scheduler, "\"delivered\""),
+        f("delivery (a scheduled sweep, nothing due)", bin("relay-delivery"), scheduler.clone(), "\"delivered\""),
+        f("submitter (a scheduled run, nothing queued)", bin("relay-submitter"), scheduler, "\"released\""),
     ])
 }
 
