@@ -477,15 +477,7 @@ def check_delivery(t, table="TasksTable"):
         failure_queues.add(queue)
         if queue is None or res.get(queue, {}).get("Type") != "AWS::SQS::Queue":
             out.append(f"{where}: no OnFailure destination (an SQS queue of this template)")
-        filters = listify((ev.get("FilterCriteria") or {}).get("Filters", []))
-        if not filters:
-            out.append(f"{where}: no FilterCriteria (every write of the table would invoke it)")
-        for f in filters:
-            try:
-                pattern = json.loads(f.get("Pattern", ""))
-            except (TypeError, ValueError):
-                out.append(f"{where}: filter pattern is not JSON: {f.get('Pattern')!r}")
-                continue
+        for pattern in filter_patterns(where, ev, "invoke it", out):
             for attr in DELIVERY_FILTER_ATTRS:
                 if not filter_requires(pattern, attr):
                     out.append(f"{where}: filter pattern does not require dynamodb.NewImage.{attr} to exist as N "
@@ -643,25 +635,32 @@ def kind_text(kind, table, queue, log_group):
     }[kind]
 
 
+def filter_patterns(where, ev, what, out):
+    """A stream event's FilterCriteria patterns, parsed; what is missing or not JSON goes to `out`
+    (without a filter, every write of the table would `what`)."""
+    filters = listify((ev.get("FilterCriteria") or {}).get("Filters", []))
+    if not filters:
+        out.append(f"{where}: no FilterCriteria (every write of the table would {what})")
+    patterns = []
+    for f in filters:
+        try:
+            patterns.append(json.loads(f.get("Pattern", "")))
+        except (TypeError, ValueError):
+            out.append(f"{where}: filter pattern is not JSON: {f.get('Pattern')!r}")
+    return patterns
+
+
 def wake_findings(where, ev):
     """The submitter's stream event: started by the wake item only, at once."""
     out = []
-    filters = listify((ev.get("FilterCriteria") or {}).get("Filters", []))
-    if not filters:
-        out.append(f"{where}: no FilterCriteria (every write of the table would start a run)")
-    for f in filters:
-        try:
-            pattern = json.loads(f.get("Pattern", ""))
-        except (TypeError, ValueError):
-            out.append(f"{where}: filter pattern is not JSON: {f.get('Pattern')!r}")
-            continue
+    for pattern in filter_patterns(where, ev, "start a run", out):
         dynamodb = pattern.get("dynamodb") if isinstance(pattern, dict) else None
         key = ((dynamodb or {}).get("Keys") or {}).get("pk") if isinstance(dynamodb, dict) else None
         if key != WAKE_PATTERN["dynamodb"]["Keys"]["pk"]:
-            out.append(f"{where}: filter pattern {f.get('Pattern')} lets through more than the wake item "
+            out.append(f"{where}: filter pattern {json.dumps(pattern)} lets through more than the wake item "
                        f"(every write of the table would start a run); use {json.dumps(WAKE_PATTERN)}")
         elif pattern != WAKE_PATTERN:
-            out.append(f"{where}: filter pattern {f.get('Pattern')} adds conditions to the wake item's key "
+            out.append(f"{where}: filter pattern {json.dumps(pattern)} adds conditions to the wake item's key "
                        f"(a write of the wake item they drop starts no run); use {json.dumps(WAKE_PATTERN)}")
     if ev.get("MaximumBatchingWindowInSeconds", 0) != 0:
         out.append(f"{where}: MaximumBatchingWindowInSeconds is {ev.get('MaximumBatchingWindowInSeconds')}; "

@@ -53,20 +53,9 @@ async fn sigkill_mid_run_then_restart_on_the_same_data_completes_every_task_once
     // answered, before the pingbacks (a kill during a send is the burst test's).
     let sent_by = Instant::now() + Duration::from_secs(10);
     for r in &refs {
-        loop {
-            let v: serde_json::Value = http
-                .get(format!("http://127.0.0.1:{port}/tasks/{r}"))
-                .bearer_auth(KILL_KEY)
-                .send()
-                .await?
-                .json()
-                .await?;
-            if v.get("captcha_id").is_some() {
-                break;
-            }
-            anyhow::ensure!(Instant::now() < sent_by, "{r} never sent: {v}");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        read_until(&http, port, r, sent_by, |v| v.get("captcha_id").is_some())
+            .await
+            .map_err(|v| anyhow::anyhow!("{r} never sent: {v}"))?;
     }
     // SIGKILL: no shutdown, no flush. The pingbacks that come now find nobody.
     relay.0.kill()?;
@@ -85,23 +74,37 @@ async fn sigkill_mid_run_then_restart_on_the_same_data_completes_every_task_once
             .and_then(|t| t.answer)
     };
     for r in &refs {
-        loop {
-            let v: serde_json::Value = http
-                .get(format!("http://127.0.0.1:{port}/tasks/{r}"))
-                .bearer_auth(KILL_KEY)
-                .send()
-                .await?
-                .json()
-                .await?;
-            if v["status"] == "solved" {
-                assert_eq!(v["solution"].as_str(), answer_for(r).as_deref(), "{r}: the fake's answer");
-                break;
-            }
-            anyhow::ensure!(Instant::now() < until, "{r} never completed: {v}");
-            tokio::time::sleep(Duration::from_millis(250)).await;
-        }
+        let v = read_until(&http, port, r, until, |v| v["status"] == "solved")
+            .await
+            .map_err(|v| anyhow::anyhow!("{r} never completed: {v}"))?;
+        assert_eq!(v["solution"].as_str(), answer_for(r).as_deref(), "{r}: the fake's answer");
     }
     Ok(())
+}
+
+/// Reads `GET /tasks/{r}` until `done` holds of it (that answer), or `until` passes (`Err`: the
+/// last answer).
+async fn read_until(
+    http: &reqwest::Client,
+    port: u16,
+    r: &str,
+    until: Instant,
+    done: impl Fn(&serde_json::Value) -> bool,
+) -> Result<serde_json::Value, serde_json::Value> {
+    loop {
+        let v: serde_json::Value =
+            match http.get(format!("http://127.0.0.1:{port}/tasks/{r}")).bearer_auth(KILL_KEY).send().await {
+                Ok(resp) => resp.json().await.unwrap_or_default(),
+                Err(e) => serde_json::Value::String(e.to_string()),
+            };
+        if done(&v) {
+            return Ok(v);
+        }
+        if Instant::now() >= until {
+            return Err(v);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 fn serve_with(env: &[(&str, &str)]) -> std::process::Output {

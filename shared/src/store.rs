@@ -1154,16 +1154,7 @@ impl TaskStore {
 
     /// The account-wide CaptchaAI breaker, as every function sees it (strongly consistent).
     pub async fn breaker(&self) -> Result<Breaker, StoreError> {
-        let out = self
-            .client
-            .get_item()
-            .table_name(&self.table)
-            .key(attr::PK, s(Breaker::KEY))
-            .consistent_read(true)
-            .send()
-            .await
-            .map_err(sdk_error)?;
-        out.item.as_ref().map_or_else(|| Ok(Breaker::default()), Breaker::from_item)
+        Ok(self.submit_state().await?.breaker)
     }
 
     /// Remembers that res.php does not take batch reads (`ids=`), for every poller from now on.

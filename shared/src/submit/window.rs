@@ -332,28 +332,7 @@ mod tests {
     /// A plan of `threads` solving each task in `solve` seconds, driven by the window with tasks
     /// always waiting: (tasks taken, "no slot" answers, most in work at once) over `secs`.
     fn simulate(w: &mut Window, threads: u32, solve: f64, secs: f64) -> (u32, u32, u32) {
-        let mut in_work: Vec<f64> = Vec::new();
-        let (mut taken, mut refused, mut peak) = (0, 0, 0);
-        let mut now = 0.0;
-        while now < secs {
-            in_work.retain(|done| *done > now);
-            let at = t(now);
-            let ours = in_work.len() as u32;
-            if let Gate::Open(_) = w.gate(ours, at) {
-                if ours < threads {
-                    w.accepted(ours, at);
-                    in_work.push(now + solve);
-                    taken += 1;
-                    peak = peak.max(ours + 1);
-                } else {
-                    w.no_slot(ours, at);
-                    refused += 1;
-                }
-                continue;
-            }
-            now += 0.05;
-        }
-        (taken, refused, peak)
+        simulate_from(w, threads, solve, 0.0, secs)
     }
 
     #[test]
