@@ -58,6 +58,18 @@ Checks:
                   (threshold QueueAgeAlarmSeconds) and SubmitterErrorsAlarm exist, watch their
                   metrics (`service` = submitter for the relay's own, the submitter's Lambda Errors)
                   and notify an SNS topic of this template.
+  capacity        every ceiling is a parameter (issue 25, docs/capacity.md): every throttle
+                  (DefaultRouteSettings and RouteSettings of every HTTP API) is a Ref to a Number
+                  parameter, never a literal; the pingback routes (/callback/...) have their own
+                  throttle; every function's ReservedConcurrentExecutions is a parameter that can
+                  be off; every DynamoDB stream event of the delivery function sets
+                  ParallelizationFactor from a parameter; POLL_SHARDS and POLL_SHARDS_PREVIOUS
+                  reach every function (Globals). With the parameters' defaults, overridden by
+                  samconfig.toml's parameter_overrides and any `--param Name=Value` given, the
+                  ceilings hold ExpectedTasksPerSecond: the pingback throttle >= it, PollShards
+                  keeps each index key at <= half of DynamoDB's 1,000 writes/s
+                  (INDEX_WRITES_PER_TASK per task), burst limits <= the account's 5,000, the
+                  steady throttles together <= the account's 10,000 req/s.
 """
 import copy
 import json
@@ -802,6 +814,103 @@ def check_submit_queue(t, table="TasksTable"):
     return sorted(set(out))
 
 
+# Writes of one index key per task, counted by the load simulation (tests/sim/LOAD.md): the
+# due-for-poll entry is written when the task is created, when in.php's answer is stored, and
+# removed by the result; due-for-delivery likewise for a push.
+INDEX_WRITES_PER_TASK = 3
+PARTITION_WCU = 1000
+ACCOUNT_RPS, ACCOUNT_BURST = 10000, 5000
+
+
+def param_values(t, overrides):
+    """Each parameter's value as deployed: its default, overridden."""
+    vals = {n: p.get("Default") for n, p in t.get("Parameters", {}).items()}
+    vals.update(overrides)
+    return vals
+
+
+def samconfig_overrides():
+    """`parameter_overrides` of samconfig.toml's deploy command (Name=Value pairs)."""
+    path = ROOT / "samconfig.toml"
+    if not path.exists():
+        return {}
+    m = re.search(r'parameter_overrides\s*=\s*"([^"]*)"', path.read_text())
+    return dict(kv.split("=", 1) for kv in (m.group(1).split() if m else []) if "=" in kv)
+
+
+def cli_overrides(argv):
+    out = {}
+    for i, a in enumerate(argv):
+        if a == "--param" and i + 1 < len(argv) and "=" in argv[i + 1]:
+            k, v = argv[i + 1].split("=", 1)
+            out[k] = v
+    return out
+
+
+def number_param(t, v):
+    """The Number parameter `v` refers to, else None."""
+    name = v.get("Ref") if isinstance(v, dict) else None
+    p = t.get("Parameters", {}).get(name) if name else None
+    return name if p is not None and p.get("Type") == "Number" else None
+
+
+def check_capacity(t, overrides=None):
+    out = []
+    vals = param_values(t, overrides or {})
+    num = lambda name: float(vals.get(name) or 0)
+    apis = [n for n, r in t["Resources"].items() if r.get("Type") == "AWS::Serverless::HttpApi"]
+    steady = 0.0
+    for api in apis:
+        props = t["Resources"][api].get("Properties", {})
+        default = props.get("DefaultRouteSettings") or {}
+        blocks = [("DefaultRouteSettings", default)] + [(f"RouteSettings[{k}]", v) for k, v in (props.get("RouteSettings") or {}).items()]
+        if not default:
+            out.append(f"{api}: no DefaultRouteSettings: routes without their own throttle have only the account's")
+        for where, block in blocks:
+            for key in THROTTLE:
+                v = block.get(key)
+                name = number_param(t, v)
+                if name is None:
+                    out.append(f"{api}.{where}.{key} is {v!r}, a literal: make it a Number parameter")
+                elif key == "ThrottlingBurstLimit" and num(name) > ACCOUNT_BURST:
+                    out.append(f"{api}.{where}: burst {name} = {vals.get(name)} is above the account's burst quota ({ACCOUNT_BURST})")
+                elif key == "ThrottlingRateLimit":
+                    steady += num(name)
+        routes = [r for r in http_routes(t) if r[2] == api and str(r[4]).startswith("/callback/")]
+        settings = route_settings(t, api)
+        expected = num("ExpectedTasksPerSecond")
+        if not routes:
+            out.append(f"{api}: no pingback routes (/callback/...)")
+        for fn, ev, _, method, path, _ in routes:
+            block = settings.get(f"{method} {path}")
+            if not block:
+                out.append(f"{fn}.{ev}: {method} {path} has no throttle of its own (pingbacks are sized apart from the API)")
+                continue
+            name = number_param(t, block.get("ThrottlingRateLimit"))
+            if name and num(name) < expected:
+                out.append(f"{method} {path}: {name} = {vals.get(name)} is below ExpectedTasksPerSecond = {vals.get('ExpectedTasksPerSecond')} (a refused pingback is not retried)")
+    if steady > ACCOUNT_RPS:
+        out.append(f"the steady route throttles add up to {steady:g} req/s, above the account's {ACCOUNT_RPS} (ask for a quota increase and say so here)")
+    env = t.get("Globals", {}).get("Function", {}).get("Environment", {}).get("Variables", {})
+    for var, param in (("POLL_SHARDS", "PollShards"), ("POLL_SHARDS_PREVIOUS", "PollShardsPrevious")):
+        if ref_target(env.get(var)) != param:
+            out.append(f"Globals: {var} is not !Ref {param} (every function reads and writes the sharded indexes)")
+    shards = num("PollShards")
+    need = num("ExpectedTasksPerSecond") * INDEX_WRITES_PER_TASK / (PARTITION_WCU / 2)
+    if shards < need:
+        out.append(f"PollShards = {vals.get('PollShards')} is too few for ExpectedTasksPerSecond = {vals.get('ExpectedTasksPerSecond')}: each key would take {num('ExpectedTasksPerSecond') * INDEX_WRITES_PER_TASK / max(shards, 1):g} writes/s (half of {PARTITION_WCU} at most; need {need:g} shards)")
+    for fn, r in t["Resources"].items():
+        if r.get("Type") != "AWS::Serverless::Function":
+            continue
+        rc = r.get("Properties", {}).get("ReservedConcurrentExecutions")
+        if rc is None or not any(number_param(t, b) for b in branches(rc)):
+            out.append(f"{fn}: ReservedConcurrentExecutions is not a parameter (!If [Has..., !Ref ..., !Ref AWS::NoValue])")
+    for fn, name, ev in delivery_stream_events(t, "TasksTable"):
+        if number_param(t, ev.get("ParallelizationFactor")) is None:
+            out.append(f"{fn}.{name}: the stream's ParallelizationFactor is not a parameter")
+    return out
+
+
 def rust_sources():
     return "\n".join(p.read_text() for p in ROOT.rglob("*.rs") if "target" not in p.parts and ".venv" not in p.parts)
 
@@ -816,6 +925,7 @@ def run_checks(t, readme, sources):
         "compat-routes": check_compat_routes(t),
         "delivery": check_delivery(t),
         "submit-queue": check_submit_queue(t),
+        "capacity": check_capacity(t, OVERRIDES),
     }
 
 
@@ -891,6 +1001,7 @@ def self_test(t, readme, sources):
     ]
     cases += delivery_cases(t, broken, failures)
     cases += submit_queue_cases(t, broken, failures)
+    cases += capacity_cases(t, broken)
     for check, tpl, *needle in cases:
         found = run_checks(tpl, readme, sources)[check]
         if not found:
@@ -900,6 +1011,37 @@ def self_test(t, readme, sources):
     if not run_checks(t, readme + "\nset `NO_SUCH_SETTING` and `NoSuchParameterSeconds`\n", sources)["knobs"]:
         failures.append("knobs: did not fail on an unknown setting")
     return failures
+
+
+def capacity_cases(t, broken):
+    api = "HttpApi"
+    props = lambda c: c["Resources"][api]["Properties"]
+    params = lambda c: c["Parameters"]
+    cb_key = next((k for k in props(t).get("RouteSettings", {}) if "/callback/" in k), None)
+
+    def set_default(name, value):
+        return lambda c: params(c)[name].__setitem__("Default", value)
+
+    cases = [
+        ("capacity", broken(lambda c: props(c)["DefaultRouteSettings"].__setitem__("ThrottlingRateLimit", 100)), "a literal"),
+        ("capacity", broken(set_default("CallbackRequestsPerSecond", 100)), "below ExpectedTasksPerSecond"),
+        ("capacity", broken(set_default("ExpectedTasksPerSecond", 10000)), "too few"),
+        ("capacity", broken(set_default("ApiBurst", 9000)), "burst quota"),
+        ("capacity", broken(set_default("CompatReadsPerSecond", 9000)), "add up to"),
+        ("capacity", broken(lambda c: c["Globals"]["Function"]["Environment"]["Variables"].pop("POLL_SHARDS")), "POLL_SHARDS"),
+        ("capacity", broken(lambda c: c["Resources"]["DeliveryFunction"]["Properties"].pop("ReservedConcurrentExecutions")), "not a parameter"),
+        ("capacity", broken(lambda c: c["Resources"]["DeliveryFunction"]["Properties"]["Events"]["TableStream"]["Properties"].__setitem__("ParallelizationFactor", 2)), "ParallelizationFactor"),
+    ]
+    if cb_key:
+        cases.append(("capacity", broken(lambda c: props(c)["RouteSettings"].pop(cb_key)), "no throttle of its own"))
+    # An override (samconfig.toml, --param) is checked like a default.
+    saved = dict(OVERRIDES)
+    OVERRIDES.update({"PollShards": "1"})
+    found = check_capacity(t, OVERRIDES)
+    OVERRIDES.clear()
+    OVERRIDES.update(saved)
+    cases.append(("capacity", t, "too few") if not found else ("capacity", broken(set_default("PollShards", 1)), "too few"))
+    return cases
 
 
 def delivery_cases(t, broken, failures):
@@ -1146,7 +1288,12 @@ def submit_alarm_cases(t, broken, failures, fn):
     return cases
 
 
+OVERRIDES = {}
+
+
 def main():
+    OVERRIDES.update(samconfig_overrides())
+    OVERRIDES.update(cli_overrides(sys.argv))
     t = load(ROOT / "template.yaml")
     # The README and the pages it links to in docs/: every setting they name must exist.
     readme = "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])

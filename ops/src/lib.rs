@@ -546,3 +546,38 @@ mod tests {
         Ok(())
     }
 }
+
+/// The `relay-ops shards` table: entries per shard (only shards that hold any), and with
+/// `count` (the shard count being moved to) whether any entry still sits at or above it.
+pub fn shards_report(rows: &[(u8, u64, u64)], count: Option<u8>) -> String {
+    use std::fmt::Write;
+    let mut out = String::from("shard  due-for-poll  due-for-delivery\n");
+    for (shard, poll, delivery) in rows.iter().filter(|(_, p, d)| p + d > 0) {
+        let _ = writeln!(out, "{shard:>5}  {poll:>12}  {delivery:>16}");
+    }
+    if let Some(count) = count {
+        let left: u64 = rows.iter().filter(|(s, ..)| *s >= count).map(|(_, p, d)| p + d).sum();
+        if left == 0 {
+            let _ = writeln!(out, "no entry at or above shard {count}: PollShardsPrevious can go back to 0");
+        } else {
+            let _ = writeln!(
+                out,
+                "{left} entries at or above shard {count}: keep PollShardsPrevious until their tasks end (parked pushes: replay or wait for expiry)"
+            );
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod shard_tests {
+    #[test]
+    fn the_shards_report_says_when_the_previous_count_can_go() {
+        let rows = [(0, 3, 1), (1, 0, 0), (5, 2, 0)];
+        let r = super::shards_report(&rows, Some(4));
+        assert!(r.contains("2 entries at or above shard 4"), "{r}");
+        assert!(!r.contains("\n    1 "), "empty shards are left out: {r}");
+        let r = super::shards_report(&rows[..2], Some(4));
+        assert!(r.contains("can go back to 0"), "{r}");
+    }
+}

@@ -149,6 +149,13 @@ enum Cmd {
     },
     /// The submit queue: tasks waiting for a CaptchaAI thread, per lane, and the submitter.
     Queue,
+    /// Entries per shard of the due-for-poll and due-for-delivery indexes; with --count N (the
+    /// new PollShards when lowering it), whether PollShardsPrevious may go back to 0.
+    Shards {
+        /// The shard count being moved to.
+        #[arg(long)]
+        count: Option<u8>,
+    },
     /// Relay keys: the `key` 2captcha-style clients send to /in.php and /res.php.
     Keys {
         #[command(subcommand)]
@@ -294,6 +301,12 @@ async fn main() -> anyhow::Result<()> {
             print!("{}", relay_ops::queue::report(&task_store(&aws, cli.table_name)?, now).await?);
             return Ok(());
         }
+        Cmd::Shards { count } => {
+            let store = task_store(&aws, cli.table_name)?;
+            let rows = store.shard_entries(relay_shared::store::MAX_POLL_SHARDS).await?;
+            print!("{}", relay_ops::shards_report(&rows, count));
+            return Ok(());
+        }
         cmd => cmd,
     };
     if let Cmd::Breaker { cmd } = &cmd {
@@ -327,7 +340,12 @@ async fn main() -> anyhow::Result<()> {
     let poison = queue(cli.poison_queue_url, "poison-queue-url")?;
     let dlq = queue(cli.dead_letter_queue_url, "dead-letter-queue-url")?;
     match cmd {
-        Cmd::Breaker { .. } | Cmd::Keys { .. } | Cmd::Deliveries { .. } | Cmd::Webhooks { .. } | Cmd::Queue => {}
+        Cmd::Breaker { .. }
+        | Cmd::Keys { .. }
+        | Cmd::Deliveries { .. }
+        | Cmd::Webhooks { .. }
+        | Cmd::Queue
+        | Cmd::Shards { .. } => {}
         Cmd::List { max, reveal } => {
             let msgs = relay_ops::list(&poison, max).await?;
             for m in &msgs {

@@ -104,6 +104,8 @@ fn check_url(name: &str, v: &str) -> Result<(), ConfigError> {
 pub struct StoreConfig {
     pub table: String,
     pub retention: Duration,
+    /// How the sparse indexes are spread (`POLL_SHARDS`, `POLL_SHARDS_PREVIOUS`).
+    pub shards: crate::store::Shards,
 }
 
 impl StoreConfig {
@@ -112,7 +114,23 @@ impl StoreConfig {
         if days == 0 {
             return Err(ConfigError::Invalid { name: "RETENTION_DAYS".into(), reason: "must be at least 1".into() });
         }
-        Ok(Self { table: s.required("TABLE_NAME")?, retention: Duration::from_secs(days * 86_400) })
+        let max = crate::store::MAX_POLL_SHARDS;
+        let write: u8 = s.parse_or("POLL_SHARDS", crate::store::DEFAULT_POLL_SHARDS)?;
+        if !(1..=max).contains(&write) {
+            return Err(ConfigError::Invalid { name: "POLL_SHARDS".into(), reason: format!("must be 1 to {max}") });
+        }
+        let previous: u8 = s.parse_or("POLL_SHARDS_PREVIOUS", 0)?;
+        if previous > max {
+            return Err(ConfigError::Invalid {
+                name: "POLL_SHARDS_PREVIOUS".into(),
+                reason: format!("must be 0 (no change under way) to {max}"),
+            });
+        }
+        Ok(Self {
+            table: s.required("TABLE_NAME")?,
+            retention: Duration::from_secs(days * 86_400),
+            shards: crate::store::Shards { write, previous },
+        })
     }
 }
 

@@ -28,7 +28,7 @@ use tokio::sync::mpsc;
 use crate::config::{ConfigError, Settings};
 use crate::domain::{Task, TaskRef, TaskState, TaskView};
 use crate::store::deliveries::DEFAULT_OWNER;
-use crate::store::{DeliveryFinish, DueDelivery, POLL_SHARDS, PushNotifier, StoreError, TaskStore};
+use crate::store::{DeliveryFinish, DueDelivery, PushNotifier, StoreError, TaskStore};
 use crate::time::{Busy, Clock, Timestamp};
 use crate::webhook::{AttemptResult, Outgoing, Sender, SigningKeys, UrlPolicy};
 use hosts::{HostGates, Signal};
@@ -374,7 +374,7 @@ impl Deliverer {
     async fn due_now(&self, now: Timestamp, report: &mut SweepReport) -> (Vec<DueDelivery>, bool) {
         let mut batch = Vec::new();
         let mut more = false;
-        let pages = (0..POLL_SHARDS).map(|shard| self.store.due_deliveries(shard, now, 100, None));
+        let pages = (0..self.store.shards().read()).map(|shard| self.store.due_deliveries(shard, now, 100, None));
         for page in futures_util::future::join_all(pages).await {
             match page {
                 Ok((due, next)) => {

@@ -98,12 +98,14 @@ impl TaskRef {
         u64::from_str_radix(low, 16).ok().filter(|id| (Self::COMPAT_MIN..=i64::MAX as u64).contains(id))
     }
 
-    /// A small stable number derived from the reference, used to spread the due-for-poll
-    /// index over several partitions.
+    /// A small stable number derived from the reference, used to spread the sparse indexes
+    /// over several partitions: the reference's last four hex digits (random in a generated
+    /// reference and in a compat id) modulo `shards`, so up to 256 shards are filled evenly.
     pub fn shard(&self, shards: u8) -> u8 {
-        let last = self.0.as_bytes().last().copied().unwrap_or(b'0');
-        let nibble = if last.is_ascii_digit() { last - b'0' } else { last - b'a' + 10 };
-        nibble % shards.max(1)
+        let tail = self.0.get(self.0.len().saturating_sub(4)..).unwrap_or_default();
+        let value = u16::from_str_radix(tail, 16)
+            .unwrap_or_else(|_| self.0.bytes().fold(0u16, |h, b| h.wrapping_mul(31).wrapping_add(u16::from(b))));
+        u8::try_from(value % u16::from(shards.max(1))).unwrap_or(0)
     }
 }
 

@@ -26,8 +26,44 @@ use crate::time::Timestamp;
 
 /// Name of the sparse index of open tasks by the time they are due for a fallback poll.
 pub const DUE_INDEX: &str = "due-for-poll";
-/// The index is spread over this many partitions (`poll_shard` 0..N) so no key runs hot.
-pub const POLL_SHARDS: u8 = 4;
+/// The due-for-poll and due-for-delivery indexes are spread over this many partitions by
+/// default (`poll_shard` / `dlv_shard` 0..N), so no index key runs hot: each task writes an
+/// index key about three times, so 8 keys take ~2,600 new tasks/s before one reaches
+/// DynamoDB's 1,000 writes/s per partition key (docs/capacity.md). `POLL_SHARDS` sets it.
+pub const DEFAULT_POLL_SHARDS: u8 = 8;
+/// The most shards a deployment may use (the readers query every one of them).
+pub const MAX_POLL_SHARDS: u8 = 64;
+
+/// How the sparse indexes are spread. Writers put a task in shard `ref mod write`; readers
+/// cover `0..max(write, previous)`. Lowering the count is therefore safe in two steps: deploy
+/// the new count with `previous` = the old one (new tasks go to the new shards; entries
+/// written under the old count stay where they are, still read, until their task ends — a
+/// parked push until it is replayed or expires), then, once no entry is left at or above the
+/// new count (`relay-ops shards`), set `previous` back to 0. Raising the count needs no second
+/// step: the readers cover every shard the writers use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shards {
+    pub write: u8,
+    pub previous: u8,
+}
+
+impl Default for Shards {
+    fn default() -> Self {
+        Self { write: DEFAULT_POLL_SHARDS, previous: 0 }
+    }
+}
+
+impl Shards {
+    /// The shard `task_ref` is written to.
+    pub fn of(&self, task_ref: &TaskRef) -> u8 {
+        task_ref.shard(self.write)
+    }
+
+    /// How many shards a reader covers (`0..read()`).
+    pub fn read(&self) -> u8 {
+        self.write.max(self.previous).max(1)
+    }
+}
 
 pub mod deliveries;
 pub mod hosts;
@@ -468,11 +504,24 @@ pub struct TaskStore {
     pushes: Option<PushNotifier>,
     /// Told of every result this store records (a CaptchaAI thread freed).
     results: Option<std::sync::Arc<tokio::sync::Notify>>,
+    shards: Shards,
 }
 
 impl TaskStore {
     pub fn new(client: Client, table: impl Into<String>, retention: Duration) -> Self {
-        Self { client, table: table.into(), retention, pushes: None, results: None }
+        Self { client, table: table.into(), retention, pushes: None, results: None, shards: Shards::default() }
+    }
+
+    /// The same store, spreading its indexes as `shards` says.
+    #[must_use]
+    pub fn with_shards(mut self, shards: Shards) -> Self {
+        self.shards = shards;
+        self
+    }
+
+    /// How this store spreads its sparse indexes.
+    pub fn shards(&self) -> Shards {
+        self.shards
     }
 
     /// The same store, notifying `n` of every result it records: how a submitter in the same
@@ -509,7 +558,7 @@ impl TaskStore {
             .operation_timeout(Self::CALL_TIMEOUT)
             .build();
         let conf = aws_sdk_dynamodb::config::Builder::from(aws).timeout_config(timeouts).build();
-        Self::new(Client::from_conf(conf), cfg.table.clone(), cfg.retention)
+        Self::new(Client::from_conf(conf), cfg.table.clone(), cfg.retention).with_shards(cfg.shards)
     }
 
     /// The longest one store call takes before it fails (see [`Self::from_config`]).
@@ -567,7 +616,7 @@ impl TaskStore {
         .map(|(k, v)| (k.to_owned(), v))
         .collect();
         if let Some(deadline) = deadline {
-            item.insert(POLL_SHARD.to_owned(), n(u64::from(task.task_ref.shard(POLL_SHARDS))));
+            item.insert(POLL_SHARD.to_owned(), n(u64::from(self.shards.of(&task.task_ref))));
             item.insert(POLL_DUE_AT.to_owned(), n(deadline.as_millis()));
         }
         item.extend(extra);
@@ -576,7 +625,7 @@ impl TaskStore {
         }
         if let Some(url) = &task.owner_callback {
             item.insert(OWNER_CALLBACK.to_owned(), s(url));
-            item.insert(DLV_SHARD.to_owned(), n(u64::from(task.task_ref.shard(POLL_SHARDS))));
+            item.insert(DLV_SHARD.to_owned(), n(u64::from(self.shards.of(&task.task_ref))));
             item.insert(
                 WEBHOOK_OWNER.to_owned(),
                 s(task.webhook_owner.as_deref().unwrap_or(deliveries::DEFAULT_OWNER)),
@@ -1105,11 +1154,48 @@ impl TaskStore {
         }
     }
 
+    /// How many entries each shard of the due-for-poll and the due-for-delivery index holds,
+    /// for shards `0..upto` (`(shard, poll entries, delivery entries)`): what an operator lowering
+    /// `POLL_SHARDS` waits on before clearing `POLL_SHARDS_PREVIOUS` (`relay-ops shards`).
+    pub async fn shard_entries(&self, upto: u8) -> Result<Vec<(u8, u64, u64)>, StoreError> {
+        let count = |index: &'static str, key: &'static str, shard: u8| async move {
+            let mut total = 0u64;
+            let mut start: Option<PageKey> = None;
+            loop {
+                let out = self
+                    .client
+                    .query()
+                    .table_name(&self.table)
+                    .index_name(index)
+                    .key_condition_expression("#k = :shard")
+                    .expression_attribute_names("#k", key)
+                    .expression_attribute_values(":shard", n(u64::from(shard)))
+                    .select(aws_sdk_dynamodb::types::Select::Count)
+                    .set_exclusive_start_key(start)
+                    .send()
+                    .await
+                    .map_err(sdk_error)?;
+                total += u64::try_from(out.count).unwrap_or(0);
+                match out.last_evaluated_key.filter(|k| !k.is_empty()) {
+                    Some(k) => start = Some(k),
+                    None => return Ok::<_, StoreError>(total),
+                }
+            }
+        };
+        let mut out = Vec::new();
+        for shard in 0..upto {
+            let (p, d) =
+                tokio::join!(count(DUE_INDEX, attr::POLL_SHARD, shard), count(DELIVERY_INDEX, attr::DLV_SHARD, shard));
+            out.push((shard, p?, d?));
+        }
+        Ok(out)
+    }
+
     /// The earliest `poll_due_at` after `now` across the index's shards: when the poller will
     /// next have work (leases included: a lapsing lease is work). One small Query per shard.
     pub async fn next_due_after(&self, now: Timestamp) -> Result<Option<Timestamp>, StoreError> {
         // The shards at once: an idle tick's time is these round trips.
-        let queries = (0..POLL_SHARDS).map(|shard| {
+        let queries = (0..self.shards.read()).map(|shard| {
             self.client
                 .query()
                 .table_name(&self.table)
@@ -1136,12 +1222,23 @@ impl TaskStore {
     /// whole second, any 3 s (which touches at most 4 of them) holds at most 4 × `per_second`.
     /// One conditional counter per second (deleted by TTL a minute later). `false`: none left.
     pub async fn take_submit_slot(&self, now: Timestamp, per_second: u32) -> Result<bool, StoreError> {
+        self.take_slot("pacer", now, per_second).await
+    }
+
+    /// Takes one of the res.php reads allowed in the current second, account-wide: the poller's
+    /// rate holds across every invocation (overlapping schedules, a manual run, Lambda's retry
+    /// of one), as [`Self::take_submit_slot`] does for in.php.
+    pub async fn take_read_slot(&self, now: Timestamp, per_second: u32) -> Result<bool, StoreError> {
+        self.take_slot("respacer", now, per_second).await
+    }
+
+    async fn take_slot(&self, prefix: &str, now: Timestamp, per_second: u32) -> Result<bool, StoreError> {
         let second = now.as_secs();
         let res = self
             .client
             .update_item()
             .table_name(&self.table)
-            .key(attr::PK, s(&format!("pacer#{second}")))
+            .key(attr::PK, s(&format!("{prefix}#{second}")))
             .update_expression("ADD submits :one SET expires_ttl = :ttl")
             .condition_expression("attribute_not_exists(submits) OR submits < :limit")
             .expression_attribute_values(":one", n(1))
@@ -1452,7 +1549,7 @@ mod tests {
 
     async fn due_refs(store: &TaskStore, now: u64) -> Vec<String> {
         let mut refs = Vec::new();
-        for shard in 0..POLL_SHARDS {
+        for shard in 0..store.shards().read() {
             let out = store
                 .client
                 .query()
@@ -1467,6 +1564,48 @@ mod tests {
             refs.extend(out.items().iter().filter_map(|i| get_s(i, attr::PK).ok().flatten().map(str::to_owned)));
         }
         refs
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn lowering_the_shard_count_loses_no_due_task_while_the_previous_count_is_read() -> anyhow::Result<()> {
+        let (_db, base) = engine().await?;
+        let wide = base.clone().with_shards(Shards { write: 16, previous: 0 });
+        let mut made = Vec::new();
+        for _ in 0..48 {
+            made.push(pending(&wide, CaptchaKind::Image).await.task_ref.to_string());
+        }
+        made.sort();
+        let high = made.iter().filter(|r| TaskRef::parse(r).expect("ref").shard(16) >= 4).count();
+        assert!(high > 0, "some tasks sit above shard 3");
+        // Lowered to 4 with the old count still read: every due task is seen.
+        let lowering = base.clone().with_shards(Shards { write: 4, previous: 16 });
+        let mut seen = due_refs(&lowering, 200_000).await;
+        seen.sort();
+        assert_eq!(seen, made);
+        // Without it, the tasks above the new count would stall: what `previous` is for.
+        let forgot = base.clone().with_shards(Shards { write: 4, previous: 0 });
+        assert_eq!(due_refs(&forgot, 200_000).await.len(), made.len() - high);
+        // The operator's view: entries at or above the new count, until they end.
+        let entries = lowering.shard_entries(16).await?;
+        let above: u64 = entries.iter().filter(|(s, ..)| *s >= 4).map(|(_, p, _)| p).sum();
+        assert_eq!(above, high as u64);
+        // A new task goes to the new count's shards.
+        let new = pending(&lowering, CaptchaKind::Image).await;
+        assert!(lowering.shard_entries(16).await?.iter().any(|(s, p, _)| *s == new.task_ref.shard(4) && *p > 0));
+        assert!(new.task_ref.shard(4) < 4);
+        Ok(())
+    }
+
+    #[test]
+    fn generated_references_fill_every_shard_evenly() {
+        for shards in [4u8, 8, 16, 64] {
+            let mut counts = vec![0u32; usize::from(shards)];
+            for _ in 0..6_400 {
+                counts[usize::from(TaskRef::generate().shard(shards))] += 1;
+            }
+            let expected = 6_400 / u32::from(shards);
+            assert!(counts.iter().all(|c| *c > expected / 2 && *c < expected * 2), "{shards} shards: {counts:?}");
+        }
     }
 
     #[tokio::test(flavor = "multi_thread")]
@@ -1677,7 +1816,7 @@ mod tests {
     async fn claims_are_exclusive_count_the_read_and_only_the_holder_reschedules() -> anyhow::Result<()> {
         let (_db, store) = engine().await?;
         let task = pending(&store, CaptchaKind::Turnstile).await;
-        let page = store.due_page(task.task_ref.shard(POLL_SHARDS), t(122_000), 10, None).await?;
+        let page = store.due_page(store.shards().of(&task.task_ref), t(122_000), 10, None).await?;
         let due = page.tasks.into_iter().find(|d| d.task.task_ref == task.task_ref).expect("listed when due");
         assert_eq!((due.due_at, due.reads), (t(122_000), 0));
         assert!(store.claim(&due, "a", t(212_000), true).await?, "first claim wins");
@@ -1687,7 +1826,7 @@ mod tests {
         assert!(!store.reschedule(&task.task_ref, "b", Reschedule::at(t(130_000))).await?, "only the holder");
         let r = Reschedule { unknown_code: true, not_ready_at: Some(t(125_000)), ..Reschedule::at(t(130_000)) };
         assert!(store.reschedule(&task.task_ref, "a", r).await?);
-        let again = store.due_page(task.task_ref.shard(POLL_SHARDS), t(130_000), 10, None).await?;
+        let again = store.due_page(store.shards().of(&task.task_ref), t(130_000), 10, None).await?;
         let d = again.tasks.into_iter().find(|d| d.task.task_ref == task.task_ref).expect("due again");
         assert_eq!(
             (d.reads, d.unknown_codes, d.last_not_ready_at),
@@ -1699,7 +1838,7 @@ mod tests {
         assert!(
             store.reschedule(&task.task_ref, "a", Reschedule { unread: true, ..Reschedule::at(t(131_000)) }).await?
         );
-        let d = store.due_page(task.task_ref.shard(POLL_SHARDS), t(131_000), 10, None).await?.tasks.remove(0);
+        let d = store.due_page(store.shards().of(&task.task_ref), t(131_000), 10, None).await?.tasks.remove(0);
         assert_eq!(d.reads, 1);
         assert!(store.expire(&task.task_ref, "deadline", t(600_000), "a").await?);
         assert!(!store.expire(&task.task_ref, "deadline", t(600_001), "a").await?, "expiring twice writes nothing");
@@ -1713,7 +1852,7 @@ mod tests {
     async fn no_expiry_under_another_pollers_live_lease() -> anyhow::Result<()> {
         let (_db, store) = engine().await?;
         let task = pending(&store, CaptchaKind::Image).await;
-        let due = store.due_page(task.task_ref.shard(POLL_SHARDS), t(600_000), 10, None).await?.tasks.remove(0);
+        let due = store.due_page(store.shards().of(&task.task_ref), t(600_000), 10, None).await?.tasks.remove(0);
         assert!(store.claim(&due, "a", t(690_000), true).await?, "a holds it for a last read");
         assert!(
             !store.expire(&task.task_ref, "deadline", t(600_500), "b").await?,

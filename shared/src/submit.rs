@@ -96,6 +96,10 @@ pub const QUEUE_TIMEOUT: &str = "ERROR_QUEUE_TIMEOUT";
 /// The default of [`QueueSettings::submits_per_second`]: 4 × 14 = 56 in any 3 s, under the 60
 /// that earn `MAX_USER_TURN`.
 pub const SUBMITS_PER_SECOND: u32 = 14;
+/// The most [`QueueSettings::submits_per_second`] may be: the pacer's per-second item and the
+/// in-work index keys each take about that many writes a second, far below DynamoDB's 1,000
+/// per partition key (docs/capacity.md).
+pub const MAX_SUBMITS_PER_SECOND: u32 = 100;
 
 impl Default for QueueSettings {
     fn default() -> Self {
@@ -131,9 +135,13 @@ impl QueueSettings {
         if !(10..=86_400).contains(&s.max_wait.as_secs()) {
             return Err(invalid("QUEUE_MAX_WAIT_SECS", "must be 10 to 86400 seconds"));
         }
-        if !(1..=15).contains(&s.submits_per_second) {
-            // 4 × 15 = 60 in any 3 s: more earns MAX_USER_TURN.
-            return Err(invalid("SUBMITS_PER_SECOND", "must be 1 to 15 (CaptchaAI bans more than 60 submits in 3 s)"));
+        if !(1..=MAX_SUBMITS_PER_SECOND).contains(&s.submits_per_second) {
+            // On 2captcha's rules 4 × 15 = 60 in any 3 s is the most before MAX_USER_TURN; a
+            // CaptchaAI plan may allow more, and the relay backs off if it does not.
+            return Err(invalid(
+                "SUBMITS_PER_SECOND",
+                "must be 1 to 100 (above 15 only if your CaptchaAI plan allows more than 60 submits in 3 s)",
+            ));
         }
         if !(1..=60).contains(&s.window.no_slot_per_minute) {
             return Err(invalid(
@@ -278,8 +286,12 @@ mod tests {
         assert_eq!(d, QueueSettings::default());
         let s = QueueSettings::from_settings(&Settings::from_pairs([("CAPTCHAAI_THREADS", "20")])).expect("valid");
         assert_eq!(s.window.threads, Some(20));
+        let big =
+            QueueSettings::from_settings(&Settings::from_pairs([("SUBMITS_PER_SECOND", "100")])).expect("a big plan");
+        assert_eq!(big.submits_per_second, 100);
         for (name, v) in [
-            ("SUBMITS_PER_SECOND", "16"),
+            ("SUBMITS_PER_SECOND", "101"),
+            ("SUBMITS_PER_SECOND", "0"),
             ("SUBMIT_NO_SLOT_PER_MINUTE", "120"),
             ("QUEUE_MAX_WAIT_SECS", "1"),
             ("QUEUE_MAX_TOTAL", "0"),

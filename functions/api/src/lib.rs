@@ -844,7 +844,7 @@ mod tests {
             let (store, at) = (w.deps.store.clone(), w.clock.now().plus(Duration::from_secs(secs)));
             async move {
                 let mut refs = Vec::new();
-                for shard in 0..relay_shared::store::POLL_SHARDS {
+                for shard in 0..store.shards().read() {
                     let page = store.due_page(shard, at, 100, None).await.expect("query");
                     refs.extend(page.tasks.into_iter().map(|d| serde_json::json!(d.task.task_ref.to_string())));
                 }

@@ -28,7 +28,7 @@ use relay_shared::codes::{CodeClass, ban, retry_after_secs};
 use relay_shared::config::{ConfigError, Settings};
 use relay_shared::deadletter::{DeadLetter, DeadLetterSink, SqsQueue};
 use relay_shared::domain::{CaptchaId, Delivery, Outcome, Via};
-use relay_shared::store::{DueTask, POLL_SHARDS, RecordOutcome, Reschedule, Stop, StoreError, TaskStore};
+use relay_shared::store::{DueTask, RecordOutcome, Reschedule, Stop, StoreError, TaskStore};
 use relay_shared::time::{Clock, Timestamp};
 use serde::Serialize;
 use tokio::sync::Semaphore;
@@ -300,29 +300,42 @@ pub async fn handle(
 
 pub use relay_shared::time_left;
 
-/// Spaces res.php requests at least `1/rps` apart, on the clock. Used by the invocation's one
-/// main loop only.
+/// Spaces res.php requests at least `1/rps` apart, on the clock, and takes each one's place
+/// in the account-wide budget of its second (a counter in the table shared by every
+/// invocation): two invocations that overlap still read at `rps` in all, not twice that.
+/// Used by the invocation's one main loop only.
 struct RateLimiter {
+    rps: u32,
     interval: Duration,
     next: Timestamp,
+    store: TaskStore,
 }
 
 impl RateLimiter {
-    fn new(rps: u32) -> Self {
-        Self { interval: Duration::from_secs(1) / rps.max(1), next: Timestamp::from_millis(0) }
+    fn new(rps: u32, store: TaskStore) -> Self {
+        Self { rps: rps.max(1), interval: Duration::from_secs(1) / rps.max(1), next: Timestamp::from_millis(0), store }
     }
 
     /// The next free slot, if it comes before `latest`; waits for it. `None`: no slot in time.
+    /// A second whose shared budget is spent (or whose counter cannot be written: no read
+    /// without its place in the budget) moves the slot to the start of the next second.
     async fn acquire(&mut self, clock: &dyn Clock, latest: Timestamp) -> Option<Timestamp> {
-        let slot = self.next.max(clock.now());
-        if slot > latest {
-            return None;
+        loop {
+            let slot = self.next.max(clock.now());
+            if slot > latest {
+                return None;
+            }
+            self.next = slot.plus(self.interval);
+            if slot > clock.now() {
+                clock.sleep_until(slot).await;
+            }
+            match self.store.take_read_slot(slot, self.rps).await {
+                Ok(true) => return Some(slot),
+                Ok(false) => {}
+                Err(e) => tracing::warn!(error = %e, "res.php budget not taken; reading in the next second"),
+            }
+            self.next = self.next.max(Timestamp::from_millis((slot.as_secs() + 1) * 1_000));
         }
-        self.next = slot.plus(self.interval);
-        if slot > clock.now() {
-            clock.sleep_until(slot).await;
-        }
-        Some(slot)
     }
 }
 
@@ -379,7 +392,7 @@ pub async fn run_invocation(deps: &Deps, clock: Arc<dyn Clock>, deadline: Timest
     let start = clock.now();
     let read_until = start.plus(s.window).min(deadline.minus(s.safety_margin + s.read_allowance()));
     let shared = Arc::new(Shared::default());
-    let mut limiter = RateLimiter::new(s.requests_per_second);
+    let mut limiter = RateLimiter::new(s.requests_per_second, deps.store.clone());
     let mut report = TickReport::default();
     loop {
         if clock.now() >= read_until {
@@ -433,7 +446,7 @@ struct ShardCursor {
 
 impl<'a> DueStream<'a> {
     fn new(store: &'a TaskStore, now: Timestamp, page_size: i32) -> Self {
-        let shards = (0..POLL_SHARDS)
+        let shards = (0..store.shards().read())
             .map(|shard| ShardCursor { shard, buffered: Default::default(), next_page: None, done: false })
             .collect();
         Self { store, now, page_size, shards, errors: 0 }

@@ -158,11 +158,17 @@ async fn overlapping_invocations_never_read_a_task_twice_and_crashed_claims_laps
     });
     assert_eq!(ra.recovered + rb.recovered, 60, "{ra:?} {rb:?}");
     assert_eq!(w.fake.counts().res_php_ids, 60, "each task read once across both invocations");
+    let rps = u64::from(w.poller.settings.requests_per_second);
+    assert!(
+        w.fake.max_res_php_per_second() <= rps,
+        "the res.php rate holds across both invocations: {} in one second, the budget is {rps}",
+        w.fake.max_res_php_per_second()
+    );
 
     // An invocation that claims and dies: its tasks come back once the lease lapses.
     let w = World::start(FakeConfig { drop_callbacks: 1.0, ..FakeConfig::default() }).await?;
     submitted_and_due(&w, 5, &[CaptchaKind::Image]).await;
-    for shard in 0..relay_shared::store::POLL_SHARDS {
+    for shard in 0..w.store.shards().read() {
         for due in w.store.due_page(shard, w.clock.now(), 100, None).await?.tasks {
             assert!(w.store.claim(&due, "crashed", w.clock.now().plus(w.poller.settings.lease), true).await?);
         }

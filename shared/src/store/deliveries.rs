@@ -118,7 +118,7 @@ impl TaskStore {
     /// The earliest `dlv_due` across the shards (a lease's end counts: a lapsing lease is work),
     /// for the age of the oldest push owed. One Query of one item per shard.
     pub async fn oldest_delivery_due(&self) -> Result<Option<Timestamp>, StoreError> {
-        let queries = (0..super::POLL_SHARDS).map(|shard| {
+        let queries = (0..self.shards.read()).map(|shard| {
             self.client
                 .query()
                 .table_name(&self.table)
@@ -272,7 +272,7 @@ impl TaskStore {
         limit: usize,
     ) -> Result<Vec<DueDelivery>, StoreError> {
         let mut found = Vec::new();
-        for shard in 0..super::POLL_SHARDS {
+        for shard in 0..self.shards.read() {
             let mut start: Option<PageKey> = None;
             loop {
                 let out = self
@@ -403,7 +403,7 @@ mod tests {
 
     async fn due_at(store: &TaskStore, now: u64) -> Vec<DueDelivery> {
         let mut all = Vec::new();
-        for shard in 0..crate::store::POLL_SHARDS {
+        for shard in 0..store.shards().read() {
             all.extend(store.due_deliveries(shard, t(now), 100, None).await.expect("query").0);
         }
         all

@@ -442,7 +442,7 @@ impl TaskStore {
             .expression_attribute_values(":queued", s("queued"))
             .expression_attribute_values(":now", n(now.as_millis()))
             .expression_attribute_values(":w", s(&in_work_key(task_ref)))
-            .expression_attribute_values(":shard", n(u64::from(task_ref.shard(super::POLL_SHARDS))))
+            .expression_attribute_values(":shard", n(u64::from(self.shards.of(task_ref))))
             .return_values(ReturnValue::AllNew)
             .send()
             .await;
@@ -782,7 +782,7 @@ mod tests {
         assert_eq!(store.in_work(t(11)).await?, vec![a.task_ref.clone()]);
         assert!(store.in_work(t(24)).await?.contains(&a.task_ref), "busy for Turnstile's 15 s from its release");
         assert!(store.in_work(t(25)).await?.is_empty());
-        let shard = a.task_ref.shard(crate::store::POLL_SHARDS);
+        let shard = store.shards().of(&a.task_ref);
         assert!(store.due_page(shard, t(119), 10, None).await?.tasks.is_empty());
         let due = store.due_page(shard, t(120), 10, None).await?;
         assert!(due.tasks.iter().any(|d| d.task.task_ref == a.task_ref), "the poller sees it 110 s after its release");

@@ -278,6 +278,9 @@ struct Inner {
     peak_in_work: u32,
     /// NO_SLOT answers of the last minute (for the peak per minute).
     no_slot_times: VecDeque<u64>,
+    /// res.php requests per whole second of the fake's clock, and the most in any one.
+    res_php_per_second: std::collections::BTreeMap<u64, u64>,
+    max_res_php_per_second: u64,
     max_no_slot_per_minute: u64,
     /// When the last NO_SLOT ban was imposed: the ban rules count only NO_SLOT answers after it.
     no_slot_banned_at: u64,
@@ -377,6 +380,8 @@ impl FakeCaptchaAi {
                 in_work: BinaryHeap::new(),
                 peak_in_work: 0,
                 no_slot_times: VecDeque::new(),
+                res_php_per_second: std::collections::BTreeMap::new(),
+                max_res_php_per_second: 0,
                 max_no_slot_per_minute: 0,
                 no_slot_banned_at: 0,
                 minute_accepts: VecDeque::new(),
@@ -433,6 +438,12 @@ impl FakeCaptchaAi {
     /// The most tasks in work at once, as seen at an accept (the accepted task included).
     pub fn peak_in_work(&self) -> u32 {
         self.shared.lock().peak_in_work
+    }
+
+    /// The most res.php requests in any one whole second of the fake's clock so far (an
+    /// account-wide rate the relay must hold across all its pollers).
+    pub fn max_res_php_per_second(&self) -> u64 {
+        self.shared.lock().max_res_php_per_second
     }
 
     /// The most `ERROR_NO_SLOT_AVAILABLE` answers in any 60 s window so far.
@@ -927,7 +938,16 @@ async fn res_php(
 ) -> Response {
     let p = params(&method, &headers, query, &body);
     let json = p.get("json").is_some_and(|v| v == "1");
-    shared.lock().counts.res_php += 1;
+    {
+        let now = shared.now();
+        let mut g = shared.lock();
+        g.counts.res_php += 1;
+        let second = now / 1_000;
+        let n = g.res_php_per_second.entry(second).or_default();
+        *n += 1;
+        let n = *n;
+        g.max_res_php_per_second = g.max_res_php_per_second.max(n);
+    }
     if let Some(r) = apply_fault(&shared, Endpoint::ResPhp).await {
         return r;
     }

@@ -268,10 +268,8 @@ async fn store_agrees_with_the_model(events: Vec<Ev>) -> Result<(), TestCaseErro
             }
             Ev::Claim { owner } => {
                 let owner = format!("poller-{owner}");
-                let page = store
-                    .due_page(r.shard(relay_shared::store::POLL_SHARDS), t(now), 100, None)
-                    .await
-                    .map_err(|e| fail(e.into()))?;
+                let page =
+                    store.due_page(store.shards().of(&r), t(now), 100, None).await.map_err(|e| fail(e.into()))?;
                 let listed = page.tasks.into_iter().find(|d| d.task.task_ref == r);
                 let due = open(&m.task.state) && m.due_at.is_some_and(|d| d <= now);
                 prop_assert_eq!(listed.is_some(), due, "listed when due: {:?}", m);
