@@ -300,10 +300,10 @@ pub async fn handle(
 
 pub use relay_shared::time_left;
 
-/// Spaces res.php requests at least `1/rps` apart, on the clock, and takes each one's place
-/// in the account-wide budget of its second (a counter in the table shared by every
-/// invocation): two invocations that overlap still read at `rps` in all, not twice that.
-/// Used by the invocation's one main loop only.
+/// Spaces res.php requests at least `1/rps` apart, on the clock ([`Self::acquire`]), and takes
+/// each read's place in the account-wide budget of its second ([`Self::budget`]: a counter in
+/// the table shared by every invocation), so two invocations that overlap still read at `rps`
+/// in all, not twice that. Used by the invocation's one main loop only.
 struct RateLimiter {
     rps: u32,
     interval: Duration,
@@ -317,24 +317,36 @@ impl RateLimiter {
     }
 
     /// The next free slot, if it comes before `latest`; waits for it. `None`: no slot in time.
-    /// A second whose shared budget is spent (or whose counter cannot be written: no read
-    /// without its place in the budget) moves the slot to the start of the next second.
     async fn acquire(&mut self, clock: &dyn Clock, latest: Timestamp) -> Option<Timestamp> {
+        let slot = self.next.max(clock.now());
+        if slot > latest {
+            return None;
+        }
+        self.next = slot.plus(self.interval);
+        if slot > clock.now() {
+            clock.sleep_until(slot).await;
+        }
+        Some(slot)
+    }
+
+    /// A place for one read in the account's budget of the current second, waiting for the
+    /// next second while this one is spent. Taken only for a task this invocation has claimed
+    /// (a claim lost to another invocation spends nothing). A counter that cannot be written
+    /// counts as spent: no read without its place. `false`: no place before `latest`.
+    async fn budget(&mut self, clock: &dyn Clock, latest: Timestamp) -> bool {
         loop {
-            let slot = self.next.max(clock.now());
-            if slot > latest {
-                return None;
-            }
-            self.next = slot.plus(self.interval);
-            if slot > clock.now() {
-                clock.sleep_until(slot).await;
-            }
-            match self.store.take_read_slot(slot, self.rps).await {
-                Ok(true) => return Some(slot),
+            let now = clock.now();
+            match self.store.take_read_slot(now, self.rps).await {
+                Ok(true) => return true,
                 Ok(false) => {}
-                Err(e) => tracing::warn!(error = %e, "res.php budget not taken; reading in the next second"),
+                Err(e) => tracing::warn!(error = %e, "res.php budget not taken; trying in the next second"),
             }
-            self.next = self.next.max(Timestamp::from_millis((slot.as_secs() + 1) * 1_000));
+            let next_second = Timestamp::from_millis((now.as_secs() + 1) * 1_000);
+            if next_second > latest {
+                return false;
+            }
+            self.next = self.next.max(next_second);
+            clock.sleep_until(next_second).await;
         }
     }
 }
@@ -588,8 +600,8 @@ async fn pass(
                         report.claimed += 1;
                         report.last_reads += u64::from(last);
                         // The claim is a write too: only read if the answer can still be
-                        // recorded in time; else give the claim back.
-                        if clock.now() >= read_until {
+                        // recorded in time, within the account's budget; else give it back.
+                        if !limiter.budget(clock.as_ref(), read_until).await || clock.now() >= read_until {
                             let a = release(deps, &due, clock.now()).await;
                             report.add(a);
                             work_left = true;
@@ -667,7 +679,7 @@ async fn start_batch(
     report: &mut TickReport,
 ) -> bool {
     let slot = limiter.acquire(clock.as_ref(), read_until).await;
-    if slot.is_none() || shared.open_at(clock.now()).is_some() {
+    if slot.is_none() || !limiter.budget(clock.as_ref(), read_until).await || shared.open_at(clock.now()).is_some() {
         for (due, _, _) in &chunk {
             let a = release(deps, due, clock.now()).await;
             report.add(a);
@@ -978,6 +990,45 @@ async fn record(deps: &Deps, now: Timestamp, due: &DueTask, outcome: Outcome) ->
 mod tests {
     use super::*;
     use relay_shared::domain::{CaptchaKind, Task, TaskRef, TaskState};
+
+    /// Two invocations reading at once, each pacing itself at the rate: the shared budget
+    /// keeps every second of the pair at the rate, and both make progress.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_read_budget_holds_across_overlapping_invocations() -> anyhow::Result<()> {
+        let db = relay_shared::testkit::LocalDynamo::start().await?;
+        let store = db.fresh_store().await?;
+        let clock = relay_shared::time::ManualClock::at(Timestamp::from_millis(1_796_210_146_000));
+        let start = clock.now();
+        let end = start.plus(Duration::from_secs(5));
+        let reads = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let mut runs = Vec::new();
+        for _ in 0..2 {
+            let (store, reads) = (store.clone(), reads.clone());
+            let c: Arc<dyn Clock> = Arc::new(clock.clone());
+            let busy = c.busy();
+            runs.push(tokio::spawn(async move {
+                let _busy = busy;
+                let mut limiter = RateLimiter::new(10, store);
+                while limiter.acquire(c.as_ref(), end).await.is_some() {
+                    if limiter.budget(c.as_ref(), end).await {
+                        reads.lock().expect("reads").push(c.now().as_secs());
+                    }
+                }
+            }));
+        }
+        clock.run_until(end.plus(Duration::from_secs(1))).await;
+        for r in runs {
+            r.await?;
+        }
+        let reads = reads.lock().expect("reads").clone();
+        let mut per_second = std::collections::BTreeMap::new();
+        for s in &reads {
+            *per_second.entry(*s).or_insert(0u32) += 1;
+        }
+        assert!(per_second.values().all(|n| *n <= 10), "at most 10 a second in all: {per_second:?}");
+        assert!(reads.len() >= 40, "the pair still reads at the rate (5 s x 10): {per_second:?}");
+        Ok(())
+    }
 
     fn due(state: TaskState, id: Option<&str>, reads: u32) -> DueTask {
         let mut task = Task::new(TaskRef::generate(), CaptchaKind::Turnstile, Timestamp::from_millis(0));

@@ -158,6 +158,7 @@ async fn overlapping_invocations_never_read_a_task_twice_and_crashed_claims_laps
     });
     assert_eq!(ra.recovered + rb.recovered, 60, "{ra:?} {rb:?}");
     assert_eq!(w.fake.counts().res_php_ids, 60, "each task read once across both invocations");
+    eprintln!("DEBUG {ra:?} {rb:?} max={}", w.fake.max_res_php_per_second());
     let rps = u64::from(w.poller.settings.requests_per_second);
     assert!(
         w.fake.max_res_php_per_second() <= rps,
