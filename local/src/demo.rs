@@ -1,16 +1,35 @@
 //! `relay-local demo`: the three patterns doing their job. Submits N tasks to the built-in fake
 //! with faults on — dropped, duplicated and late callbacks, and a burst of store failures —
-//! then reports how every result arrived, and whether anything was lost.
+//! then reports how every result arrived, and whether anything was lost. A quarter of the
+//! tasks carry an owner's callback URL on a receiver the demo starts, which fails the way real
+//! endpoints do (a 500, a 429 with `Retry-After`, a request left hanging past the push timeout,
+//! one that never answers 2xx): the report says how each push arrived.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use fake_captchaai::FakeConfig;
 use indicatif::{ProgressBar, ProgressStyle};
-use relay_shared::domain::{TaskRef, TaskState, Via};
+use relay_shared::domain::{DeliveryStatus, TaskRef, TaskState, Via};
+use relay_shared::testkit::receiver::{Hit, Receiver};
 
 use crate::run::{LocalConfig, Options, start};
+
+/// How the owner's receiver answers the pushes, by task (see
+/// [`relay_shared::testkit::receiver`]): first try, a 500 then 200, a 429 with `Retry-After:
+/// 2` then 200, a first request left hanging past the push timeout then 200. Each fails at most
+/// once, so every push lands within the demo's run.
+const PUSH_PATHS: [&str; 5] = ["ok", "once", "limited2", "ok", "slow"];
+
+/// The one owner path that never answers 2xx: its push is parked after [`DEMO_PUSH_ATTEMPTS`].
+const NEVER: &str = "never";
+
+/// The demo's push settings: a 2 s timeout (a hanging owner is given up on quickly) and 2
+/// attempts before a push is parked (at once and 5 s later; the template's 7 take 17 hours).
+const DEMO_PUSH_TIMEOUT: Duration = Duration::from_secs(2);
+const DEMO_PUSH_ATTEMPTS: u32 = 2;
 
 /// The demo's outcome, checked against what the fake really solved.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -34,6 +53,21 @@ pub struct DemoReport {
     pub lost: usize,
     pub elapsed: Duration,
     pub median_to_result: Duration,
+    /// Tasks submitted with an owner callback URL.
+    pub pushes: usize,
+    /// Pushes the owner took (2xx) on the first request.
+    pub pushed_first_try: usize,
+    /// Pushes the owner took after one or more failed requests.
+    pub pushed_after_retries: usize,
+    /// Requests to the owner that failed (5xx, 429, no answer in time) and were tried again or
+    /// parked.
+    pub push_failures: usize,
+    /// Pushes parked after every attempt failed (the owner path that never answers 2xx).
+    pub parked: usize,
+    /// Pushes whose signature the owner could not verify with the relay's webhook secret.
+    pub bad_signatures: usize,
+    /// Pushes that did not end as planned (delivered; parked for the failing path), with why.
+    pub pushes_missed: Vec<String>,
 }
 
 impl DemoReport {
@@ -51,15 +85,31 @@ impl DemoReport {
             ("expired", self.expired.to_string()),
             ("failed", self.failed.to_string()),
             ("LOST", self.lost.to_string()),
+            ("pushes to the owner", self.pushes.to_string()),
+            ("  delivered, first try", self.pushed_first_try.to_string()),
+            ("  delivered after retries", self.pushed_after_retries.to_string()),
+            ("  failed requests", self.push_failures.to_string()),
+            ("  parked (all tries failed)", self.parked.to_string()),
+            ("  bad signatures", self.bad_signatures.to_string()),
+            ("PUSHES MISSED", self.pushes_missed.len().to_string()),
             ("total time", format!("{:.1} s", self.elapsed.as_secs_f64())),
             ("median submit → result", format!("{:.2} s", self.median_to_result.as_secs_f64())),
         ];
-        let mut out = String::from("+--------------------------+----------+\n");
+        let line = "+-----------------------------+----------+";
+        let mut out = format!("{line}\n");
         for (k, v) in rows {
-            out.push_str(&format!("| {k:<24} | {v:>8} |\n"));
+            out.push_str(&format!("| {k:<27} | {v:>8} |\n"));
         }
-        out.push_str("+--------------------------+----------+");
+        out.push_str(line);
+        for why in &self.pushes_missed {
+            out.push_str(&format!("\nmissed push: {why}"));
+        }
         out
+    }
+
+    /// Nothing lost, every push as planned, every signature good.
+    pub fn passed(&self) -> bool {
+        self.lost == 0 && self.pushes_missed.is_empty() && self.bad_signatures == 0
     }
 }
 
@@ -71,7 +121,14 @@ pub async fn run_demo(n: usize, data_dir: std::path::PathBuf, progress: bool) ->
         data_dir,
         callback_grace_secs: Some(5),
         poll_interval_secs: 1,
+        // The owner's receiver is on this machine.
+        webhook_allow_loopback: true,
         ..LocalConfig::default()
+    };
+    let delivery = relay_shared::delivery::DeliverySettings {
+        timeout: DEMO_PUSH_TIMEOUT,
+        max_attempts: DEMO_PUSH_ATTEMPTS,
+        ..crate::run::delivery_settings(&cfg)
     };
     let fake = FakeConfig {
         solve_delay_ms: 100,
@@ -81,7 +138,10 @@ pub async fn run_demo(n: usize, data_dir: std::path::PathBuf, progress: bool) ->
         late_callback_ms: 8_000,
         ..FakeConfig::default()
     };
-    let relay = start(&cfg, Options { fake: Some(fake), flaky_store: true, ..Options::default() }).await?;
+    let relay =
+        start(&cfg, Options { fake: Some(fake), flaky_store: true, delivery: Some(delivery), ..Options::default() })
+            .await?;
+    let receiver = Receiver::start(Arc::new(relay_shared::time::SystemClock)).await?;
     let http = reqwest::Client::new();
     let bar = |len: usize, msg: &'static str| {
         let b = if progress { ProgressBar::new(len as u64) } else { ProgressBar::hidden() };
@@ -100,6 +160,8 @@ pub async fn run_demo(n: usize, data_dir: std::path::PathBuf, progress: bool) ->
     let flaky = relay.flaky.as_ref().context("demo runs with a fault injector")?;
     let submitting = bar(n, "submitted");
     let mut tasks: Vec<(TaskRef, Instant)> = Vec::with_capacity(n);
+    // The tasks with an owner callback, and the receiver path each was given.
+    let mut pushed: Vec<(TaskRef, String)> = Vec::new();
     for i in 0..n {
         // A burst of store failures on the writes of results for the middle fifth.
         if i == 2 * n / 5 {
@@ -112,10 +174,21 @@ pub async fn run_demo(n: usize, data_dir: std::path::PathBuf, progress: bool) ->
             }
             flaky.set_failing_matching(None);
         }
-        let v = submit_politely(&http, &relay.base_url, &relay.api_key, kinds[i % kinds.len()], &format!("demo-{i}"))
-            .await?;
+        let path = push_path(i, kinds.len());
+        let body = match &path {
+            Some(path) => {
+                let mut body: serde_json::Value = serde_json::from_str(kinds[i % kinds.len()])?;
+                body["callback_url"] = serde_json::Value::String(format!("{}{path}", receiver.base_url));
+                body.to_string()
+            }
+            None => kinds[i % kinds.len()].to_owned(),
+        };
+        let v = submit_politely(&http, &relay.base_url, &relay.api_key, &body, &format!("demo-{i}")).await?;
         let r = TaskRef::parse(v["task_ref"].as_str().unwrap_or_default())
             .with_context(|| format!("submit answered {v}"))?;
+        if let Some(path) = path {
+            pushed.push((r.clone(), path));
+        }
         tasks.push((r, Instant::now()));
         submitting.inc(1);
         // CaptchaAI bans more than 60 submits in 3 s (MAX_USER_TURN): keep them 80 ms apart (the relay paces 14 a second).
@@ -140,8 +213,24 @@ pub async fn run_demo(n: usize, data_dir: std::path::PathBuf, progress: bool) ->
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
     resolving.finish();
-    // Give late pingbacks their chance to arrive (and be absorbed).
-    tokio::time::sleep(Duration::from_millis(8_500)).await;
+    // Give late pingbacks their chance to arrive (and be absorbed), and the pushes theirs to
+    // land or be parked (a retry after a failure comes 1 to 5 s later).
+    let late_until = Instant::now() + Duration::from_millis(8_500);
+    let pushes_until = Instant::now() + Duration::from_secs(60);
+    loop {
+        let mut open = 0;
+        for (r, _) in &pushed {
+            let status = relay.store.get(r).await?.and_then(|t| t.delivery).map(|d| d.status);
+            open += usize::from(!matches!(
+                status,
+                Some(DeliveryStatus::Delivered | DeliveryStatus::Parked | DeliveryStatus::Gone)
+            ));
+        }
+        if (open == 0 && Instant::now() >= late_until) || Instant::now() >= pushes_until {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
 
     let fake = relay.fake.as_ref().context("demo runs on the built-in fake")?;
     // A few conflicting deliveries (another answer for a solved task), as a confused or
@@ -190,12 +279,65 @@ pub async fn run_demo(n: usize, data_dir: std::path::PathBuf, progress: bool) ->
             }
         }
     }
+    let (keys, _) = cfg.webhook_keys()?;
+    check_pushes(&mut report, &relay.store, &pushed, &receiver.hits(), keys.current()).await?;
     let mut times: Vec<Duration> = resolved_at.into_values().collect();
     times.sort();
     report.median_to_result = times.get(times.len() / 2).copied().unwrap_or_default();
     report.elapsed = started.elapsed();
     relay.shutdown().await;
     Ok(report)
+}
+
+/// The receiver path task `i` pushes to, if it is one of the quarter submitted with a callback
+/// URL: the first image task among them gets the path that never answers 2xx (an image answer
+/// has no token lifetime, so its push is parked after the standard schedule's first two
+/// attempts, while a token's would be retried fast for its whole life), the others fail at
+/// most once.
+fn push_path(i: usize, kinds: usize) -> Option<String> {
+    if !i.is_multiple_of(4) {
+        return None;
+    }
+    let first_image = (0..).step_by(4).find(|j| j % kinds == 1).unwrap_or(4);
+    let pattern = if i == first_image { NEVER } else { PUSH_PATHS[(i / 4) % PUSH_PATHS.len()] };
+    Some(format!("/{pattern}/{i}"))
+}
+
+/// Fills the report's push rows from what the owner's receiver got and what the store says,
+/// checking every request's signature as the owner would.
+async fn check_pushes(
+    report: &mut DemoReport,
+    store: &relay_shared::store::TaskStore,
+    pushed: &[(TaskRef, String)],
+    hits: &[Hit],
+    secret: &relay_shared::webhook::WebhookSecret,
+) -> anyhow::Result<()> {
+    report.pushes = pushed.len();
+    for h in hits {
+        let ok = relay_shared::webhook::verify(
+            secret,
+            &h.webhook_id,
+            &h.webhook_timestamp,
+            &h.webhook_signature,
+            &h.body,
+            h.at.as_secs(),
+        );
+        report.bad_signatures += usize::from(ok.is_err());
+    }
+    for (r, path) in pushed {
+        let got: Vec<&Hit> = hits.iter().filter(|h| &h.path == path).collect();
+        let taken = got.iter().position(|h| (200..300).contains(&h.answered));
+        report.push_failures += taken.unwrap_or(got.len());
+        let status = store.get(r).await?.and_then(|t| t.delivery).map(|d| d.status);
+        let never = path.starts_with(&format!("/{NEVER}/"));
+        match (status, taken, never) {
+            (Some(DeliveryStatus::Delivered), Some(0), false) => report.pushed_first_try += 1,
+            (Some(DeliveryStatus::Delivered), Some(_), false) => report.pushed_after_retries += 1,
+            (Some(DeliveryStatus::Parked), None, true) => report.parked += 1,
+            _ => report.pushes_missed.push(format!("{r} ({path}): {status:?}, {} request(s)", got.len())),
+        }
+    }
+    Ok(())
 }
 
 /// Waits until the fake has solved everything submitted so far and sent every pingback it

@@ -3,6 +3,7 @@
 //! the Lambdas run. Routes are API Gateway's: `/tasks`, `/tasks/{ref}`, `/callback/{ref}/{sig}`.
 
 pub mod demo;
+pub mod ops;
 pub mod queue;
 pub mod run;
 pub mod tls;

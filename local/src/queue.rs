@@ -23,6 +23,16 @@ pub struct Leased {
     pub receipt: String,
 }
 
+/// A letter in the poison queue.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Poisoned {
+    /// Its id in the queue file: what `dead-letters replay --id` takes.
+    pub id: i64,
+    pub body: String,
+    pub receive_count: u32,
+    pub poisoned_at_ms: u64,
+}
+
 #[derive(Clone)]
 pub struct DiskQueue {
     conn: Arc<Mutex<Connection>>,
@@ -189,6 +199,25 @@ impl DiskQueue {
         let conn = self.lock()?;
         let mut st = conn.prepare("SELECT id, body FROM poison ORDER BY id").map_err(qerr)?;
         st.query_map([], |r| Ok((r.get(0)?, r.get(1)?))).map_err(qerr)?.collect::<Result<_, _>>().map_err(qerr)
+    }
+
+    /// The poison queue, oldest first, with each letter's receives and when it was poisoned
+    /// (what `relay-local dead-letters list` shows).
+    pub fn poisoned_letters(&self) -> Result<Vec<Poisoned>, QueueError> {
+        let conn = self.lock()?;
+        let mut st =
+            conn.prepare("SELECT id, body, receive_count, poisoned_at FROM poison ORDER BY id").map_err(qerr)?;
+        st.query_map([], |r| {
+            Ok(Poisoned {
+                id: r.get(0)?,
+                body: r.get(1)?,
+                receive_count: r.get(2)?,
+                poisoned_at_ms: u64::try_from(r.get::<_, i64>(3)?).unwrap_or(0),
+            })
+        })
+        .map_err(qerr)?
+        .collect::<Result<_, _>>()
+        .map_err(qerr)
     }
 
     /// Moves a poisoned message back to the queue (one transaction: never lost, never doubled).

@@ -22,19 +22,47 @@ use crate::{LocalParts, Relay};
 /// The file in the data directory that names the running relay's store endpoint.
 pub const ENDPOINT_FILE: &str = "dynamodb-endpoint";
 
-/// The task store of the relay running on `data_dir` (for the operator commands).
+/// How long a finished task is kept (the table's TTL), as on AWS by default.
+pub const RETENTION: Duration = Duration::from_secs(7 * 86_400);
+
+/// The task store of the relay running on `data_dir`, through the endpoint it wrote there (for
+/// the operator commands and tests; [`crate::ops::open_store`] also opens a stopped relay's).
 pub async fn running_store(data_dir: &std::path::Path) -> anyhow::Result<TaskStore> {
     let path = data_dir.join(ENDPOINT_FILE);
     let endpoint = std::fs::read_to_string(&path)
         .with_context(|| format!("no relay has run on {} (start `relay-local serve` first)", data_dir.display()))?;
     let client = client_for(endpoint.trim());
-    if client.describe_table().table_name("tasks").send().await.is_err() {
+    if let Err(e) = client.describe_table().table_name("tasks").send().await {
         bail!(
-            "the relay on {} is not running: start `relay-local serve` (its store is read while it runs)",
-            data_dir.display()
+            "the relay on {} does not answer at {} ({}): is it still starting? Try again in a moment",
+            data_dir.display(),
+            endpoint.trim(),
+            relay_shared::telemetry::error_chain(&e)
         );
     }
-    Ok(TaskStore::new(client, "tasks", Duration::from_secs(7 * 86_400)))
+    Ok(TaskStore::new(client, "tasks", RETENTION))
+}
+
+/// How the relay's own log lines are written (`RELAY_LOG_FORMAT`, or `log_format` in the
+/// config file): plain text for people (coloured only on a terminal), or JSON lines for
+/// machines, as the Lambdas write them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+impl LogFormat {
+    /// Reads `RELAY_LOG_FORMAT` (unset: text).
+    pub fn from_env(value: Option<&str>) -> anyhow::Result<Self> {
+        match value.map(str::trim) {
+            None | Some("") | Some("text") => Ok(Self::Text),
+            Some("json") => Ok(Self::Json),
+            Some(other) => bail!("RELAY_LOG_FORMAT must be text or json, got `{other}`"),
+        }
+    }
 }
 
 /// Values the README and earlier versions used as examples: never accepted with a real key.
@@ -163,6 +191,8 @@ pub struct LocalConfig {
     /// `whsec_new,whsec_old` while rotating). Unset: a random one, kept in
     /// `<data_dir>/webhook-secrets`.
     pub webhook_secrets: Option<String>,
+    /// `text` (default) or `json` (`RELAY_LOG_FORMAT`): see [`LogFormat`].
+    pub log_format: LogFormat,
 }
 
 impl Default for LocalConfig {
@@ -182,6 +212,7 @@ impl Default for LocalConfig {
             recent_results: relay_callback::RECENT_RESULTS,
             webhook_allow_loopback: false,
             webhook_secrets: None,
+            log_format: LogFormat::Text,
         }
     }
 }
@@ -243,6 +274,9 @@ impl LocalConfig {
         }
         if let Some(v) = env("WEBHOOK_SECRETS") {
             c.webhook_secrets = Some(v);
+        }
+        if let Some(v) = env("RELAY_LOG_FORMAT") {
+            c.log_format = LogFormat::from_env(Some(&v))?;
         }
         if let Some(v) = env("CALLBACK_RECENT_RESULTS") {
             c.recent_results = v
@@ -346,6 +380,9 @@ pub struct Options {
     pub redrive_every: Option<Duration>,
     /// How long a client gets for its TLS handshake (default [`crate::tls::HANDSHAKE_TIMEOUT`]).
     pub tls_handshake_timeout: Option<Duration>,
+    /// Push settings instead of [`delivery_settings`] (the demo's: a short timeout, few
+    /// attempts, so a failing owner's pushes are retried and parked while it runs).
+    pub delivery: Option<relay_shared::delivery::DeliverySettings>,
 }
 
 /// A running local relay. [`Running::shutdown`] stops it gracefully.
@@ -363,6 +400,8 @@ pub struct Running {
     stop: tokio::sync::watch::Sender<bool>,
     workers: tokio::task::JoinSet<()>,
     _db: LocalDynamo,
+    /// Held while the relay runs: one process at a time on the data directory.
+    _lock: crate::ops::DataLock,
 }
 
 async fn ensure_table(endpoint: &str) -> anyhow::Result<String> {
@@ -383,6 +422,9 @@ async fn ensure_table(endpoint: &str) -> anyhow::Result<String> {
 pub async fn start(cfg: &LocalConfig, opts: Options) -> anyhow::Result<Running> {
     std::fs::create_dir_all(&cfg.data_dir)
         .with_context(|| format!("cannot create data dir {}", cfg.data_dir.display()))?;
+    // Before anything is opened: an operator command working on a stopped relay's files holds
+    // the directory for a moment; a second relay on it would write the same store file.
+    let lock = crate::ops::DataLock::take(&cfg.data_dir, crate::ops::LOCK_WAIT).await?;
     let listener = tokio::net::TcpListener::bind(&cfg.bind)
         .await
         .with_context(|| format!("cannot listen on {} (is another relay or program using that port?)", cfg.bind))?;
@@ -410,7 +452,7 @@ pub async fn start(cfg: &LocalConfig, opts: Options) -> anyhow::Result<Running> 
         .with_context(|| format!("cannot write {}", cfg.data_dir.join(ENDPOINT_FILE).display()))?;
     let flaky = if opts.flaky_store { Some(FlakyDynamo::start(&db.endpoint).await?) } else { None };
     let endpoint = flaky.as_ref().map_or(db.endpoint.clone(), |f| f.endpoint.clone());
-    let retention = Duration::from_secs(7 * 86_400);
+    let retention = RETENTION;
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     // The delivery worker hears of each result as the store writes it (on AWS, the table's
     // stream), and of its own retries as they fall due.
@@ -455,7 +497,7 @@ pub async fn start(cfg: &LocalConfig, opts: Options) -> anyhow::Result<Running> 
             let _ = rx.wait_for(|s| *s).await;
         };
         if let Err(e) = crate::serve(listener, plain_relay, shutdown).await {
-            tracing::error!(event = "server_failed", error = %e);
+            tracing::error!(event = "server_failed", error = relay_shared::telemetry::error_chain(&e));
         }
     });
     let (tls_url, ca_path) = match tls_listener {
@@ -466,7 +508,7 @@ pub async fn start(cfg: &LocalConfig, opts: Options) -> anyhow::Result<Running> 
                     let _ = rx.wait_for(|s| *s).await;
                 };
                 if let Err(e) = crate::tls::serve(listener, relay, shutdown).await {
-                    tracing::error!(event = "tls_server_failed", error = %e);
+                    tracing::error!(event = "tls_server_failed", error = relay_shared::telemetry::error_chain(&e));
                 }
             });
             (Some(url), Some(ca))
@@ -508,7 +550,7 @@ pub async fn start(cfg: &LocalConfig, opts: Options) -> anyhow::Result<Running> 
         relay_shared::delivery::Deliverer::new(
             store.clone(),
             relay_shared::delivery::KeySource::new(keys, Some(store.clone())),
-            delivery_settings(cfg),
+            opts.delivery.unwrap_or_else(|| delivery_settings(cfg)),
         )?
         .with_wakeups(Arc::new(inbox)),
     );
@@ -549,40 +591,43 @@ pub async fn start(cfg: &LocalConfig, opts: Options) -> anyhow::Result<Running> 
         stop,
         workers,
         _db: db,
+        _lock: lock,
     })
 }
 
 /// The poisoned dead letters of a local relay, one line each: the queue id and what the letter
-/// holds, its solution redacted unless `reveal` (what `relay-local dead-letters list` prints).
+/// holds, its solution redacted unless `reveal` (what `relay-local dead-letters list` prints,
+/// after the id).
 pub fn list_poisoned(queue: &DiskQueue, reveal: bool) -> anyhow::Result<Vec<(i64, String)>> {
-    Ok(queue
-        .poisoned()?
-        .into_iter()
-        .map(|(id, body)| {
-            let line = match relay_shared::deadletter::DeadLetter::parse(&body) {
-                Ok(l) if reveal => format!("{l:?} code={}", l.code),
-                Ok(l) => format!("{l:?}"),
-                Err(e) => format!("unparseable ({e}; {} bytes)", body.len()),
-            };
-            (id, line)
-        })
-        .collect())
+    Ok(queue.poisoned_letters()?.iter().map(|p| (p.id, crate::ops::describe_letter(p, reveal))).collect())
 }
 
 /// One pass of the redrive loop over the on-disk dead-letter queue.
 pub async fn drain_dead_letters(queue: &DiskQueue, store: &TaskStore) {
+    use relay_shared::telemetry::error_chain;
     let q = queue.clone();
-    let Ok(Ok(batch)) = tokio::task::spawn_blocking(move || q.receive(10)).await else { return };
+    let batch = match tokio::task::spawn_blocking(move || q.receive(10)).await {
+        Ok(Ok(batch)) => batch,
+        Ok(Err(e)) => return tracing::error!(event = "dead_letter_receive_failed", error = error_chain(&e)),
+        Err(e) => return tracing::error!(event = "dead_letter_receive_failed", error = error_chain(&e)),
+    };
     for m in batch {
         let outcome = relay_redrive::redrive_one(store, &m.body).await;
         let q = queue.clone();
-        let _ = tokio::task::spawn_blocking(move || match outcome {
+        let id = m.id;
+        let done = tokio::task::spawn_blocking(move || match outcome {
             relay_redrive::Redriven::Applied | relay_redrive::Redriven::AlreadyRecorded => q.delete(&m).map(|_| ()),
             relay_redrive::Redriven::Permanent(_) => q.poison(&m).map(|_| ()),
             // Left leased: it comes back when its visibility lapses.
             relay_redrive::Redriven::Retry(_) => Ok(()),
         })
         .await;
+        // Either way the letter stays in the queue and comes back when its lease lapses.
+        match done {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::error!(event = "dead_letter_settle_failed", id, error = error_chain(&e)),
+            Err(e) => tracing::error!(event = "dead_letter_settle_failed", id, error = error_chain(&e)),
+        }
     }
 }
 

@@ -23,6 +23,20 @@ async fn the_demo_loses_nothing_and_its_table_matches_the_fake() -> anyhow::Resu
     assert!(report.by_poll > 0 && report.by_redrive > 0, "all three paths at work:\n{}", report.table());
     assert!(report.dead_lettered >= report.by_redrive, "{}", report.table());
     assert_eq!(report.conflicts, 1, "the conflicting pingback was answered as a conflict:\n{}", report.table());
+    // Pushes to the owner's receiver the demo starts: 12 of the 45 tasks, each ending as planned
+    // (delivered, or parked on the path that never answers 2xx), signed with the relay's secret.
+    let t = report.table();
+    assert_eq!(report.pushes, 12, "{t}");
+    assert!(report.pushes_missed.is_empty(), "{t}");
+    assert_eq!(report.parked, 1, "the owner path that never answers 2xx is parked:\n{t}");
+    assert_eq!(report.pushed_first_try + report.pushed_after_retries + report.parked, 12, "{t}");
+    assert!(report.pushed_first_try > 0 && report.pushed_after_retries >= 5, "a 500, 429 and hang retried:\n{t}");
+    assert!(report.push_failures >= report.pushed_after_retries + 2, "{t}");
+    assert_eq!(report.bad_signatures, 0, "{t}");
+    for row in ["pushes to the owner", "delivered after retries", "parked (all tries failed)", "PUSHES MISSED"] {
+        assert!(t.contains(row), "the table shows `{row}`:\n{t}");
+    }
+    assert!(report.passed(), "{t}");
     Ok(())
 }
 

@@ -27,6 +27,44 @@ where
         .try_init();
 }
 
+/// The same JSON lines as [`init`], for a process that is not a Lambda (`relay-local` with
+/// `RELAY_LOG_FORMAT=json`): on `writer`, with `default_filter` when `RUST_LOG` is not set, and
+/// each line's time in a `timestamp` field (no CloudWatch stamps them here) and its `target`
+/// (one process runs every component: the target says which one wrote the line).
+pub fn init_json<W>(writer: W, default_filter: &str)
+where
+    W: for<'w> tracing_subscriber::fmt::MakeWriter<'w> + Send + Sync + 'static,
+{
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
+    let _ = tracing_subscriber::fmt()
+        .json()
+        .with_env_filter(filter)
+        .with_current_span(true)
+        .with_span_list(false)
+        .flatten_event(true)
+        .with_ansi(false)
+        .with_writer(writer)
+        .try_init();
+}
+
+/// An error and every cause under it, `outer: inner: root` (what anyhow's `{:#}` prints), for
+/// a log line: a cause left out is what the reader of the log needed.
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let text = s.to_string();
+        // Some errors already print their source in their own message.
+        if !out.ends_with(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        source = s.source();
+    }
+    out
+}
+
 /// CloudWatch namespace of every metric the relay emits.
 pub const METRICS_NAMESPACE: &str = "CaptchaRelay";
 
@@ -57,6 +95,17 @@ pub fn redact(token: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_error_chain_names_every_cause_once() {
+        #[derive(Debug, thiserror::Error)]
+        #[error("opening the task store")]
+        struct Outer(#[source] std::io::Error);
+        let e = Outer(std::io::Error::new(std::io::ErrorKind::PermissionDenied, "data dir not writable"));
+        assert_eq!(error_chain(&e), "opening the task store: data dir not writable");
+        let plain = std::io::Error::other("just this");
+        assert_eq!(error_chain(&plain), "just this");
+    }
 
     #[test]
     fn metrics_are_written_as_embedded_metric_format_documents() {
