@@ -167,20 +167,23 @@ fn init_logs(format: LogFormat, default: &str) {
     }
 }
 
+/// What `main` runs: `serve` with its settings read (or why they could not be), or a command.
+enum Job {
+    Serve(anyhow::Result<LocalConfig>),
+    Command(Cmd),
+}
+
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let env = |k: &str| std::env::var(k).ok();
     // `serve` reads its settings first: the config file may choose the log format.
-    let (cmd, config) = match cli.cmd {
-        Cmd::Serve { config } => {
-            let loaded = LocalConfig::load(config.as_deref(), &env);
-            (None, Some(loaded))
-        }
-        cmd => (Some(cmd), None),
+    let job = match cli.cmd {
+        Cmd::Serve { config } => Job::Serve(LocalConfig::load(config.as_deref(), &env)),
+        cmd => Job::Command(cmd),
     };
-    let format = match &config {
-        Some(Ok(cfg)) => Ok(cfg.log_format),
+    let format = match &job {
+        Job::Serve(Ok(cfg)) => Ok(cfg.log_format),
         _ => LogFormat::from_env(env("RELAY_LOG_FORMAT").as_deref()),
     };
     let format = match format {
@@ -192,17 +195,18 @@ async fn main() -> std::process::ExitCode {
     };
     // The embedded engine reports every refused conditional write; that is normal here. JSON
     // lines are for machines: the Lambdas' level (info), as CloudWatch would get it.
-    let default = match (&cmd, format) {
-        (Some(Cmd::Demo { .. }), _) => "error",
+    let default = match (&job, format) {
+        (Job::Command(Cmd::Demo { .. }), _) => "error",
         (_, LogFormat::Json) => "info,dynoxide=error",
         (_, LogFormat::Text) => "warn,dynoxide=error",
     };
     init_logs(format, default);
-    let result = match (cmd, config) {
-        (_, Some(Err(e))) => Err(e),
-        (_, Some(Ok(cfg))) => serve(cfg).await,
-        (Some(cmd), None) => run(cmd).await,
-        (None, None) => Ok(std::process::ExitCode::from(2)),
+    let result = match job {
+        Job::Serve(cfg) => match cfg {
+            Ok(cfg) => serve(cfg).await,
+            Err(e) => Err(e),
+        },
+        Job::Command(cmd) => run(cmd).await,
     };
     match result {
         Ok(code) => code,
@@ -283,7 +287,7 @@ fn print_banner(cfg: &LocalConfig, relay: &relay_local::run::Running, from_file:
 
 async fn run(cmd: Cmd) -> anyhow::Result<std::process::ExitCode> {
     match cmd {
-        Cmd::Serve { .. } => anyhow::bail!("serve is started by main"),
+        Cmd::Serve { .. } => anyhow::bail!("`serve` runs through `serve()`"),
         Cmd::DeadLetters { data_dir, cmd } => {
             let queue = relay_local::ops::open_queue(&data_dir)?;
             match cmd {
@@ -375,5 +379,32 @@ async fn run(cmd: Cmd) -> anyhow::Result<std::process::ExitCode> {
             println!("{}", report.table());
             Ok(if report.passed() { std::process::ExitCode::SUCCESS } else { std::process::ExitCode::from(1) })
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, Parser};
+
+    use super::{Cli, Cmd, DeadLettersCmd};
+
+    #[test]
+    fn the_command_line_is_well_formed() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn a_dead_letter_replay_picks_one_way_and_redrive_still_works() -> anyhow::Result<()> {
+        let parse = |args: &[&str]| Cli::try_parse_from([&["relay-local", "dead-letters"], args].concat());
+        let cli = parse(&["replay", "--id", "3", "--id", "7"])?;
+        assert!(
+            matches!(cli.cmd, Cmd::DeadLetters { cmd: DeadLettersCmd::Replay { ids, all: false, .. }, .. } if ids == [3, 7])
+        );
+        let cli = parse(&["redrive", "--all", "--max", "5"])?;
+        assert!(matches!(cli.cmd, Cmd::DeadLetters { cmd: DeadLettersCmd::Replay { all: true, max: 5, .. }, .. }));
+        assert!(parse(&["replay", "--id", "3", "--all"]).is_err(), "ids or all, not both");
+        assert!(parse(&["replay", "--id", "3", "--task", "tsk_x"]).is_err());
+        assert!(parse(&["replay", "--max", "5"]).is_err(), "--max only with --all");
+        Ok(())
     }
 }
