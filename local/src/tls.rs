@@ -331,7 +331,7 @@ async fn accept_loop(
             Err(e) => {
                 // As axum does for plain TCP: most likely out of file descriptors; wait for some
                 // to be closed.
-                tracing::error!(event = "tls_accept_failed", error = %e);
+                tracing::error!(event = "tls_accept_failed", error = relay_shared::telemetry::error_chain(&e));
                 tokio::time::sleep(Duration::from_secs(1)).await;
                 continue;
             }
@@ -344,7 +344,9 @@ async fn accept_loop(
                     // Fails only when the server has stopped accepting.
                     let _ = tx.send((tls, peer)).await;
                 }
-                Ok(Err(e)) => tracing::debug!(event = "tls_handshake_failed", %peer, error = %e),
+                Ok(Err(e)) => {
+                    tracing::debug!(event = "tls_handshake_failed", %peer, error = relay_shared::telemetry::error_chain(&e))
+                }
                 Err(_) => tracing::debug!(event = "tls_handshake_timeout", %peer, ?timeout),
             }
         });
