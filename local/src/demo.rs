@@ -13,12 +13,12 @@ use anyhow::Context;
 use fake_captchaai::FakeConfig;
 use indicatif::{ProgressBar, ProgressStyle};
 use relay_shared::domain::{DeliveryStatus, TaskRef, TaskState, Via};
-use relay_shared::testkit::receiver::{Hit, Receiver};
+use relay_shared::local::receiver::{Hit, Receiver};
 
 use crate::run::{LocalConfig, Options, start};
 
 /// How the owner's receiver answers the pushes, by task (see
-/// [`relay_shared::testkit::receiver`]): first try, a 500 then 200, a 429 with `Retry-After:
+/// [`relay_shared::local::receiver`]): first try, a 500 then 200, a 429 with `Retry-After:
 /// 2` then 200, a first request left hanging past the push timeout then 200. Each fails at most
 /// once, so every push lands within the demo's run.
 const PUSH_PATHS: [&str; 5] = ["ok", "once", "limited2", "ok", "slow"];

@@ -20,7 +20,7 @@ use relay_shared::codes::is_error_code;
 use relay_shared::deadletter::DeadLetter;
 use relay_shared::store::TaskStore;
 use relay_shared::telemetry::redact;
-use relay_shared::testkit::LocalDynamo;
+use relay_shared::local::LocalDynamo;
 use relay_shared::time::Timestamp;
 
 use crate::queue::{DiskQueue, Poisoned};

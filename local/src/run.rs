@@ -11,7 +11,7 @@ use anyhow::{Context, bail};
 use fake_captchaai::{FakeCaptchaAi, FakeConfig};
 use relay_shared::captchaai::CaptchaAiClient;
 use relay_shared::store::{TaskStore, schema};
-use relay_shared::testkit::{FlakyDynamo, LocalDynamo, client_for};
+use relay_shared::local::{FlakyDynamo, LocalDynamo, client_for};
 use relay_shared::time::{Clock, SystemClock};
 use secrecy::SecretString;
 use serde::Deserialize;

@@ -19,6 +19,8 @@ pub mod webhook;
 /// Timestamps and clocks (the `relay-time` crate, so the fake CaptchaAI can share them).
 pub use relay_time as time;
 
+#[cfg(any(test, feature = "local"))]
+pub mod local;
 #[cfg(any(test, feature = "testkit"))]
 pub mod testkit;
 
