@@ -6,20 +6,21 @@
 //! one that never answers 2xx): the report says how each push arrived.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use fake_captchaai::FakeConfig;
 use indicatif::{ProgressBar, ProgressStyle};
 use relay_shared::domain::{DeliveryStatus, TaskRef, TaskState, Via};
-
-use owner::{Hit, Receiver};
+use relay_shared::local::receiver::{Hit, Receiver};
 
 use crate::run::{LocalConfig, Options, start};
 
-/// How the owner's receiver answers the pushes, by task (see [`owner`]): first try, a 500 then
-/// 200, a 429 with `Retry-After: 2` then 200, a first request left hanging past the push timeout
-/// then 200. Each fails at most once, so every push lands within the demo's run.
+/// How the owner's receiver answers the pushes, by task (see
+/// [`relay_shared::local::receiver`]): first try, a 500 then 200, a 429 with `Retry-After:
+/// 2` then 200, a first request left hanging past the push timeout then 200. Each fails at most
+/// once, so every push lands within the demo's run.
 const PUSH_PATHS: [&str; 5] = ["ok", "once", "limited2", "ok", "slow"];
 
 /// The one owner path that never answers 2xx: its push is parked after [`DEMO_PUSH_ATTEMPTS`].
@@ -140,7 +141,7 @@ pub async fn run_demo(n: usize, data_dir: std::path::PathBuf, progress: bool) ->
     let relay =
         start(&cfg, Options { fake: Some(fake), flaky_store: true, delivery: Some(delivery), ..Options::default() })
             .await?;
-    let receiver = Receiver::start().await?;
+    let receiver = Receiver::start(Arc::new(relay_shared::time::SystemClock)).await?;
     let http = reqwest::Client::new();
     let bar = |len: usize, msg: &'static str| {
         let b = if progress { ProgressBar::new(len as u64) } else { ProgressBar::hidden() };
@@ -376,111 +377,4 @@ pub async fn submit_politely(
         return Ok(v);
     }
     anyhow::bail!("the relay kept answering 503")
-}
-
-/// The owner's callback endpoint the demo pushes to, on loopback: what it answers depends on
-/// the first segment of the request's path (the same names as the test receiver's):
-///
-/// | path          | answers                                                          |
-/// | ------------- | ---------------------------------------------------------------- |
-/// | `/ok/…`       | 200                                                              |
-/// | `/once/…`     | 500 to the first request for the path, then 200                  |
-/// | `/limited2/…` | 429 with `Retry-After: 2` to the first request, then 200         |
-/// | `/slow/…`     | the first request answered only after 30 s (past the push timeout), then 200 |
-/// | `/never/…`    | 503, always                                                      |
-mod owner {
-    use std::collections::HashMap;
-    use std::sync::{Arc, Mutex, PoisonError};
-    use std::time::Duration;
-
-    use axum::body::Bytes;
-    use axum::http::{HeaderMap, StatusCode, Uri};
-    use axum::response::{IntoResponse, Response};
-    use relay_shared::time::{Clock, SystemClock, Timestamp};
-
-    /// One request the owner got.
-    #[derive(Debug, Clone)]
-    pub struct Hit {
-        pub path: String,
-        pub at: Timestamp,
-        pub webhook_id: String,
-        pub webhook_timestamp: String,
-        pub webhook_signature: String,
-        pub body: Vec<u8>,
-        /// The status it was answered with; 0 while it hangs.
-        pub answered: u16,
-    }
-
-    #[derive(Default)]
-    struct State {
-        hits: Vec<Hit>,
-        seen: HashMap<String, u32>,
-    }
-
-    pub struct Receiver {
-        pub base_url: String,
-        state: Arc<Mutex<State>>,
-    }
-
-    impl Receiver {
-        /// Starts it on 127.0.0.1 (a free port); it stops with the process.
-        pub async fn start() -> anyhow::Result<Self> {
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-            let base_url = format!("http://{}", listener.local_addr()?);
-            let state = Arc::new(Mutex::new(State::default()));
-            let st = state.clone();
-            let app = axum::Router::new().fallback(move |uri: Uri, headers: HeaderMap, body: Bytes| {
-                let st = st.clone();
-                async move { answer(&st, &uri, &headers, body).await }
-            });
-            tokio::spawn(async move {
-                let _ = axum::serve(listener, app).await;
-            });
-            Ok(Self { base_url, state })
-        }
-
-        /// Every request so far.
-        pub fn hits(&self) -> Vec<Hit> {
-            self.state.lock().map(|s| s.hits.clone()).unwrap_or_default()
-        }
-    }
-
-    async fn answer(st: &Mutex<State>, uri: &Uri, headers: &HeaderMap, body: Bytes) -> Response {
-        let path = uri.path().to_owned();
-        let header = |n: &str| headers.get(n).and_then(|v| v.to_str().ok()).unwrap_or_default().to_owned();
-        let first = {
-            let mut s = st.lock().unwrap_or_else(PoisonError::into_inner);
-            let nth = s.seen.entry(path.clone()).or_default();
-            *nth += 1;
-            *nth == 1
-        };
-        let pattern = path.trim_start_matches('/').split('/').next().unwrap_or_default();
-        let (status, hang) = match pattern {
-            "once" if first => (StatusCode::INTERNAL_SERVER_ERROR, false),
-            "limited2" if first => (StatusCode::TOO_MANY_REQUESTS, false),
-            "slow" if first => (StatusCode::OK, true),
-            "never" => (StatusCode::SERVICE_UNAVAILABLE, false),
-            "ok" | "once" | "limited2" | "slow" => (StatusCode::OK, false),
-            _ => (StatusCode::NOT_FOUND, false),
-        };
-        let hit = Hit {
-            path,
-            at: SystemClock.now(),
-            webhook_id: header("webhook-id"),
-            webhook_timestamp: header("webhook-timestamp"),
-            webhook_signature: header("webhook-signature"),
-            body: body.to_vec(),
-            answered: if hang { 0 } else { status.as_u16() },
-        };
-        st.lock().unwrap_or_else(PoisonError::into_inner).hits.push(hit);
-        if hang {
-            // Long past the demo's push timeout: the relay gives up on this request.
-            tokio::time::sleep(Duration::from_secs(30)).await;
-        }
-        let mut resp = (status, "").into_response();
-        if status == StatusCode::TOO_MANY_REQUESTS {
-            resp.headers_mut().insert("retry-after", axum::http::HeaderValue::from_static("2"));
-        }
-        resp
-    }
 }
