@@ -49,8 +49,11 @@ async fn serve_into_a_file(env: &[(&str, &str)], args: &[&str]) -> anyhow::Resul
     assert_eq!(submit(KEY).await?.status(), 202);
     assert_eq!(submit("not-the-key-at-all").await?.status(), 403);
     http.get(format!("{base}/callback/tsk_forged/deadbeef?id=1&code=x")).send().await?;
-    // A poller pass that reads the task, then a graceful stop.
-    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    // A poller pass (every second here; later on a loaded machine), then a graceful stop.
+    let until = Instant::now() + Duration::from_secs(30);
+    while !std::fs::read_to_string(&log)?.contains("poll_tick") && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     stop(&mut relay)?;
     Ok(std::fs::read_to_string(&log)?)
 }

@@ -12,19 +12,7 @@ pub fn init_with_writer<W>(writer: W)
 where
     W: for<'w> tracing_subscriber::fmt::MakeWriter<'w> + Send + Sync + 'static,
 {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt()
-        .json()
-        .with_env_filter(filter)
-        .with_current_span(true)
-        .with_span_list(false)
-        .flatten_event(true)
-        .with_target(false)
-        .without_time()
-        .with_ansi(false)
-        .with_writer(writer)
-        .try_init();
+    install_json(writer, "info", true);
 }
 
 /// The same JSON lines as [`init`], for a process that is not a Lambda (`relay-local` with
@@ -35,17 +23,26 @@ pub fn init_json<W>(writer: W, default_filter: &str)
 where
     W: for<'w> tracing_subscriber::fmt::MakeWriter<'w> + Send + Sync + 'static,
 {
+    install_json(writer, default_filter, false);
+}
+
+/// One JSON subscriber for both: on Lambda without the time (CloudWatch stamps each line) and
+/// the target (one function per log group).
+fn install_json<W>(writer: W, default_filter: &str, lambda: bool)
+where
+    W: for<'w> tracing_subscriber::fmt::MakeWriter<'w> + Send + Sync + 'static,
+{
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
-    let _ = tracing_subscriber::fmt()
+    let builder = tracing_subscriber::fmt()
         .json()
         .with_env_filter(filter)
         .with_current_span(true)
         .with_span_list(false)
         .flatten_event(true)
         .with_ansi(false)
-        .with_writer(writer)
-        .try_init();
+        .with_writer(writer);
+    let _ = if lambda { builder.with_target(false).without_time().try_init() } else { builder.try_init() };
 }
 
 /// An error and every cause under it, `outer: inner: root` (what anyhow's `{:#}` prints), for
