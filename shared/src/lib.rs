@@ -14,6 +14,7 @@ pub mod signing;
 pub mod store;
 pub mod submit;
 pub mod telemetry;
+pub mod warm;
 pub mod webhook;
 
 /// Timestamps and clocks (the `relay-time` crate, so the fake CaptchaAI can share them).

@@ -1336,6 +1336,14 @@ impl TaskStore {
             .map_err(sdk_error)?;
         out.item.as_ref().map(Task::try_from).transpose()
     }
+
+    /// Opens the connection to DynamoDB at cold start, so the first request finds it pooled
+    /// ([`crate::warm`]): one DescribeEndpoints call, which reads no table (no capacity) and
+    /// which DynamoDB's public endpoints answer without an IAM check, so every function's role
+    /// may make it (the callback's and the redrive's allow only UpdateItem). Never fails.
+    pub async fn warm_up(&self, limit: Duration) -> crate::warm::Warmed {
+        crate::warm::run("dynamodb", limit, self.client.describe_endpoints().send()).await
+    }
 }
 
 /// `true` if a conditional update was applied, `false` if its condition did not hold.

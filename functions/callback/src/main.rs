@@ -1,7 +1,15 @@
+/// mimalloc, not glibc's malloc (as local mode): the SDK, hyper and rustls allocate per request
+/// on every thread, and glibc's allocator was a quarter of local mode's CPU under load.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[tokio::main]
 async fn main() -> Result<(), lambda_runtime::Error> {
     relay_shared::telemetry::init();
     let metrics = relay_shared::telemetry::cold_start(relay_shared::telemetry::metrics_init("callback"))?;
     let deps = relay_shared::telemetry::cold_start(relay_callback::Deps::from_env().await)?;
+    // The DynamoDB connection (TCP, TLS, credentials, endpoint) is opened here, in init, not by
+    // the first request; bounded, and a failure only means the first request connects itself.
+    deps.store.warm_up(relay_shared::warm::WARM_UP_LIMIT).await;
     metrics_cloudwatch_embedded::lambda::handler::run_http(metrics, |req| relay_callback::handle(req, &deps)).await
 }
