@@ -28,7 +28,9 @@ use relay_time::{Clock, ManualClock, Timestamp};
 use secrecy::SecretString;
 
 pub mod chaos;
+pub mod load;
 pub mod logs;
+pub mod partitions;
 
 /// The values `template.yaml` deploys, read from the template itself.
 #[derive(Debug, Clone)]
@@ -105,6 +107,19 @@ impl Deployed {
     }
 }
 
+impl Deployed {
+    /// The same deployment with `name` set to `value` in the functions' environments (what an
+    /// operator sets for a workload the defaults do not fit), read again.
+    pub fn with(mut self, name: &str, value: &str) -> anyhow::Result<Self> {
+        self.api_env = self.api_env.with(name, value);
+        self.poller_env = self.poller_env.with(name, value);
+        self.poller = PollerSettings::from_settings(&self.poller_env)?;
+        self.grace = CallbackGrace::from_settings(&self.api_env)?;
+        self.queue = relay_shared::submit::QueueSettings::from_settings(&self.api_env)?;
+        Ok(self)
+    }
+}
+
 /// One planned submit.
 #[derive(Debug, Clone)]
 pub struct Planned {
@@ -167,6 +182,8 @@ pub struct World {
     pub queue_fail: Arc<std::sync::atomic::AtomicBool>,
     /// The fault injector in front of the relay's store, with [`Options::flaky_relay_store`].
     pub flaky: Option<FlakyDynamo>,
+    /// The partition meter in front of the engine, with [`Options::partition_meter`].
+    pub meter: Option<partitions::PartitionMeter>,
     /// Whether the relay "process" is up: while down, its HTTP connections are cut, its poller
     /// and redrive loop do not run.
     pub up: Arc<std::sync::atomic::AtomicBool>,
@@ -206,6 +223,11 @@ pub struct Options {
     /// Told of every push the relay's writes make due (a delivery worker in the same
     /// "process", as local mode runs it).
     pub push_notifier: Option<relay_shared::store::PushNotifier>,
+    /// Every part of the relay reaches the engine through a [`partitions::PartitionMeter`]
+    /// ([`World::meter`]), and its store spreads its indexes over these shards.
+    pub partition_meter: Option<relay_shared::store::Shards>,
+    /// Settings set on top of the template's ([`Deployed::with`]).
+    pub settings: Vec<(String, String)>,
 }
 
 impl Default for Options {
@@ -216,6 +238,8 @@ impl Default for Options {
             submit_timeout: Duration::from_secs(15),
             disk_queue: None,
             push_notifier: None,
+            partition_meter: None,
+            settings: Vec::new(),
         }
     }
 }
@@ -227,11 +251,28 @@ impl World {
     }
 
     pub async fn start_with(fake: FakeConfig, opts: Options) -> anyhow::Result<Self> {
-        let deployed = Deployed::from_template()?;
+        let mut deployed = Deployed::from_template()?;
+        for (name, value) in &opts.settings {
+            deployed = deployed.with(name, value)?;
+        }
         let clock = ManualClock::at(EPOCH);
         let dyn_clock: Arc<dyn Clock> = Arc::new(clock.clone());
         let db = LocalDynamo::start().await?;
         let mut store = db.fresh_store().await?;
+        let meter = match opts.partition_meter {
+            Some(shards) => {
+                let m = partitions::PartitionMeter::start(&db.endpoint, dyn_clock.clone()).await?;
+                store = TaskStore::new(
+                    partitions::sim_client(&m.endpoint, dyn_clock.clone()),
+                    store.table(),
+                    Duration::from_secs(7 * 86_400),
+                )
+                .with_shards(shards);
+                Some(m)
+            }
+            None => None,
+        };
+        let engine = meter.as_ref().map_or_else(|| db.endpoint.clone(), |m| m.endpoint.clone());
         if let Some(n) = opts.push_notifier.clone() {
             store = store.with_push_notifier(n);
         }
@@ -267,8 +308,9 @@ impl World {
                 None,
             )
         };
-        let flaky = if opts.flaky_relay_store { Some(FlakyDynamo::start(&db.endpoint).await?) } else { None };
-        let relay_store = flaky.as_ref().map_or_else(|| store.clone(), |f| f.store(store.table()));
+        let flaky = if opts.flaky_relay_store { Some(FlakyDynamo::start(&engine).await?) } else { None };
+        let relay_store =
+            flaky.as_ref().map_or_else(|| store.clone(), |f| f.store(store.table()).with_shards(store.shards()));
         let mut relay = Relay::new(LocalParts {
             store: relay_store,
             captchaai: client(opts.submit_timeout)?,
@@ -335,7 +377,7 @@ impl World {
                 .await;
         });
         let poller_store = match (&flaky, opts.flaky_poller_store) {
-            (Some(f), true) => f.store(store.table()),
+            (Some(f), true) => f.store(store.table()).with_shards(store.shards()),
             _ => store.clone(),
         };
         let poller = relay_poller::Deps {
@@ -358,6 +400,7 @@ impl World {
             queue,
             queue_fail,
             flaky,
+            meter,
             up,
             running,
             invocations: Arc::default(),
@@ -565,7 +608,9 @@ impl World {
 
     /// The store as the relay's functions see it (through the fault injector, if any).
     pub fn redrive_store(&self) -> TaskStore {
-        self.flaky.as_ref().map_or_else(|| self.store.clone(), |f| f.store(self.store.table()))
+        self.flaky
+            .as_ref()
+            .map_or_else(|| self.store.clone(), |f| f.store(self.store.table()).with_shards(self.store.shards()))
     }
 
     /// `POST /tasks` as an owner would send it, with an optional `Idempotency-Key`.
