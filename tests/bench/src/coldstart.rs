@@ -135,6 +135,8 @@ struct Function {
     name: &'static str,
     program: PathBuf,
     args: Vec<String>,
+    /// The Rust binary it runs (its size is reported); `None` for the Python handler.
+    binary: Option<PathBuf>,
     env: Vec<(String, String)>,
     event: String,
     /// The answer's body must contain this.
@@ -301,8 +303,38 @@ async fn stack(moto: &str) -> anyhow::Result<Stack> {
     Ok(Stack { env: env.into_iter().map(|(k, v)| (k.to_owned(), v)).collect(), task, captcha_id, floor_task })
 }
 
-fn functions(opts: &Opts, s: &Stack) -> anyhow::Result<Vec<Function>> {
-    let bin = |name: &str| opts.bin_dir.join(name);
+/// How the Rust binaries are started: natively from a build directory, or — the arm64 builds
+/// cargo-lambda makes (`target/lambda/<binary>/bootstrap`) — under qemu's user-mode emulation.
+enum Launch {
+    Native(PathBuf),
+    Qemu { qemu: PathBuf, sysroot: PathBuf, dir: PathBuf },
+}
+
+impl Launch {
+    fn binary(&self, name: &str) -> PathBuf {
+        match self {
+            Self::Native(dir) => dir.join(name),
+            Self::Qemu { dir, .. } => dir.join(name).join("bootstrap"),
+        }
+    }
+
+    /// The program and arguments that run `name`.
+    fn command(&self, name: &str) -> (PathBuf, Vec<String>) {
+        match self {
+            Self::Native(_) => (self.binary(name), Vec::new()),
+            Self::Qemu { qemu, sysroot, .. } => (
+                qemu.clone(),
+                vec![
+                    "-L".into(),
+                    sysroot.to_string_lossy().into_owned(),
+                    self.binary(name).to_string_lossy().into_owned(),
+                ],
+            ),
+        }
+    }
+}
+
+fn functions(launch: &Launch, s: &Stack) -> anyhow::Result<Vec<Function>> {
     let signer = CallbackSigner::new(SecretString::from(SIGNING_SECRET.to_owned()));
     let callback = ApiGatewayEvent::new("GET", &format!("/callback/{}/{}", s.task.as_ref(), signer.sign(&s.task)))
         .query(&format!("id={}&code=03AGdBq2{}", s.captcha_id.as_ref(), "x".repeat(600)))
@@ -334,28 +366,24 @@ fn functions(opts: &Opts, s: &Stack) -> anyhow::Result<Vec<Function>> {
     }]})
     .to_string();
     let scheduler = include_str!("../../../functions/poller/tests/fixtures/scheduler-event.json").to_owned();
-    let f = |name, program: PathBuf, event: String, expect| Function {
-        name,
-        program,
-        args: Vec::new(),
-        env: s.env.clone(),
-        event,
-        expect,
+    let f = |name, binary: &str, event: String, expect| {
+        let (program, args) = launch.command(binary);
+        Function { name, program, args, binary: Some(launch.binary(binary)), env: s.env.clone(), event, expect }
     };
     Ok(vec![
-        f("hello (lambda_runtime, nothing else)", bin("bench-hello"), "{}".into(), "\"ok\":true"),
+        f("hello (lambda_runtime, nothing else)", "bench-hello", "{}".into(), "\"ok\":true"),
         f(
             "floor: hello + the callback's AWS calls (1 SSM read at init, 1 bare conditional UpdateItem)",
-            bin("bench-floor"),
+            "bench-floor",
             serde_json::json!({ "pk": s.floor_task.as_ref() }).to_string(),
             "\"ok\":true",
         ),
-        f("callback (a pingback: one conditional write)", bin("relay-callback"), callback, "recorded"),
-        f("api (GET /tasks/{ref})", bin("relay-api"), api, "\"statusCode\":200"),
-        f("poller (a scheduled tick, nothing due)", bin("relay-poller"), scheduler.clone(), "\"passes\""),
-        f("redrive (one dead letter)", bin("relay-redrive"), sqs_event, "batchItemFailures"),
-        f("delivery (a scheduled sweep, nothing due)", bin("relay-delivery"), scheduler.clone(), "\"delivered\""),
-        f("submitter (a scheduled run, nothing queued)", bin("relay-submitter"), scheduler, "\"released\""),
+        f("callback (a pingback: one conditional write)", "relay-callback", callback, "recorded"),
+        f("api (GET /tasks/{ref})", "relay-api", api, "\"statusCode\":200"),
+        f("poller (a scheduled tick, nothing due)", "relay-poller", scheduler.clone(), "\"passes\""),
+        f("redrive (one dead letter)", "relay-redrive", sqs_event, "batchItemFailures"),
+        f("delivery (a scheduled sweep, nothing due)", "relay-delivery", scheduler.clone(), "\"delivered\""),
+        f("submitter (a scheduled run, nothing queued)", "relay-submitter", scheduler, "\"released\""),
     ])
 }
 
@@ -404,6 +432,7 @@ async fn python(opts: &Opts, moto: &str) -> anyhow::Result<Option<Function>> {
         name: "Python: Powertools idempotency + boto3 (part 2's handler)",
         program: py,
         args: vec![Opts::root().join("tests/bench/py/runtime_loop.py").to_string_lossy().into_owned()],
+        binary: None,
         env: env.into_iter().map(|(k, v)| (k.to_owned(), v)).collect(),
         event: event.to_string(),
         expect: "\"statusCode\": 200",
@@ -415,66 +444,147 @@ pub async fn run(opts: &Opts) -> anyhow::Result<String> {
     let repeats = if opts.quick { 1 } else { 7 };
     let dir = Opts::root().join("target/bench-coldstart");
     std::fs::create_dir_all(&dir)?;
-    let mut rows = Vec::new();
-    let mut all = Vec::new();
+    let rows = measure(&Launch::Native(opts.bin_dir.clone()), opts, &moto, repeats, &dir).await?;
+    let mut report = render(&rows, repeats, opts);
+    report.push_str(&arm64_sizes(&dir)?);
+    report.push_str(&arm64_cold_starts(opts, &moto, repeats, &dir).await?);
+    Ok(report)
+}
+
+/// Starts every function `repeats` times (the Python handler too, when run natively), each
+/// repeat against a fresh stack, and sums up each one's starts.
+async fn measure(launch: &Launch, opts: &Opts, moto: &str, repeats: usize, dir: &Path) -> anyhow::Result<Vec<Row>> {
+    std::fs::create_dir_all(dir)?;
+    let mut all: Vec<(&'static str, Option<PathBuf>, Vec<Start>)> = Vec::new();
     for repeat in 0..repeats {
         // A fresh stack per repeat: every start finds its task open, as a cold start would.
-        let s = stack(&moto).await?;
-        let mut fs = functions(opts, &s)?;
-        if let Some(p) = python(opts, &moto).await? {
+        let s = stack(moto).await?;
+        let mut fs = functions(launch, &s)?;
+        if matches!(launch, Launch::Native(_))
+            && let Some(p) = python(opts, moto).await?
+        {
             fs.push(p);
         }
         for (i, f) in fs.iter().enumerate() {
             let log = dir.join(format!("{i}.log"));
             let start = start_once(f, &log).await?;
             if repeat == 0 {
-                all.push((f.name, f.program.clone(), f.args.is_empty(), Vec::new()));
+                all.push((f.name, f.binary.clone(), Vec::new()));
             }
-            all[i].3.push(start);
+            all[i].2.push(start);
         }
     }
-    for (name, program, native, starts) in all {
+    let mut rows = Vec::new();
+    for (name, binary, starts) in all {
         let spread = |g: fn(&Start) -> f64| Spread::of(&starts.iter().map(g).collect::<Vec<_>>());
-        let (size, zip) = if native {
-            (std::fs::metadata(&program).map(|m| m.len() as f64 / 1_048_576.0).unwrap_or(0.0), zip_mb(&program, &dir)?)
-        } else {
-            (0.0, 0.0)
+        let (size, zip) = match &binary {
+            Some(b) => (std::fs::metadata(b).map(|m| m.len() as f64 / 1_048_576.0).unwrap_or(0.0), zip_mb(b, dir)?),
+            None => (0.0, 0.0),
         };
         rows.push(Row {
             name,
-            native,
+            native: binary.is_some(),
             init: spread(|s| s.init_ms),
             first: spread(|s| s.first_ms),
+            request: spread(|s| s.first_ms - s.init_ms),
             cpu: spread(|s| s.cpu_ms),
             rss: spread(|s| s.rss_mb),
             size,
             zip,
         });
     }
-    let mut report = render(&rows, repeats, opts);
-    report.push_str(&arm64_sizes(&dir)?);
-    Ok(report)
+    Ok(rows)
+}
+
+/// The binaries cargo-lambda's arm64 build leaves in `target/lambda/<binary>/bootstrap`.
+const ARM64_BINARIES: [&str; 8] = [
+    "bench-hello",
+    "bench-floor",
+    "relay-callback",
+    "relay-api",
+    "relay-poller",
+    "relay-redrive",
+    "relay-delivery",
+    "relay-submitter",
+];
+
+/// `true` if `path` is an AArch64 ELF executable (e_machine 183).
+fn is_aarch64_elf(path: &Path) -> bool {
+    let mut head = [0u8; 20];
+    std::fs::File::open(path).and_then(|mut f| std::io::Read::read_exact(&mut f, &mut head)).is_ok()
+        && head.starts_with(b"\x7fELF")
+        && u16::from_le_bytes([head[18], head[19]]) == 183
+}
+
+/// The arm64 cold starts, under qemu's user-mode emulation, when cargo-lambda's arm64 builds of
+/// every function and of the yardsticks are in `target/lambda` and qemu and an AArch64 glibc
+/// are installed. Emulation slows every instruction many times over, and unevenly (system
+/// calls run natively, crypto and plain code are translated), so only the ratios to the arm64
+/// hello under the same emulation say something about a Graviton; the absolute times do not.
+async fn arm64_cold_starts(opts: &Opts, moto: &str, repeats: usize, dir: &Path) -> anyhow::Result<String> {
+    let mut s = String::from("\n### The arm64 cold start, under emulation\n\n");
+    let lambda_dir = Opts::root().join("target/lambda");
+    let missing: Vec<String> = ARM64_BINARIES
+        .iter()
+        .filter(|b| !is_aarch64_elf(&lambda_dir.join(b).join("bootstrap")))
+        .map(|b| format!("`{b}`"))
+        .collect();
+    let qemu =
+        ["/usr/bin/qemu-aarch64-static", "/usr/bin/qemu-aarch64"].into_iter().map(PathBuf::from).find(|p| p.exists());
+    let sysroot = PathBuf::from("/usr/aarch64-linux-gnu");
+    let qemu = match qemu {
+        Some(q) if missing.is_empty() && sysroot.join("lib/ld-linux-aarch64.so.1").exists() => q,
+        _ => {
+            s.push_str(&format!(
+                "Not measured in this run: it needs qemu-user (`apt-get install qemu-user-static`), an AArch64 glibc \
+                 (`apt-get install libc6-arm64-cross`) and cargo-lambda's arm64 builds in `target/lambda` \
+                 (`cargo lambda build --release --arm64 -p relay-bench-hello -p relay-callback …`; missing: {}).\n",
+                if missing.is_empty() { "none".to_owned() } else { missing.join(", ") }
+            ));
+            return Ok(s);
+        }
+    };
+    let launch = Launch::Qemu { qemu: qemu.clone(), sysroot: sysroot.clone(), dir: lambda_dir };
+    let rows = measure(&launch, opts, moto, repeats, &dir.join("arm64")).await?;
+    s.push_str(&format!(
+        "The same starts against the same kind of stack on moto, with cargo-lambda's arm64 release builds \
+         (`target/lambda/*/bootstrap`, as `sam build` makes them) run by `{} -L {}` on this x86_64 machine; \
+         {repeats} start(s) each, medians (min–max). **Emulation inflates every absolute time and CPU figure many \
+         times over, and unevenly: only the ratios to the arm64 hello under the same emulation carry over to a \
+         Graviton.** Peak RSS is qemu's and the binary's together.\n\n",
+        qemu.display(),
+        sysroot.display()
+    ));
+    s.push_str(&table(&rows, false));
+    Ok(s)
 }
 
 /// The arm64 build a deploy ships (`infra/sam-build.sh` → `.aws-sam/build/<Function>/bootstrap`),
-/// if one is there: each bootstrap's size and its zip. Its cold start is not measured: this
-/// machine cannot run arm64 code natively, and timings under emulation would say nothing.
+/// if one is there: each bootstrap's size and its zip. Its cold start is measured (under
+/// emulation, ratios only) from cargo-lambda's own output: [`arm64_cold_starts`].
 fn arm64_sizes(dir: &Path) -> anyhow::Result<String> {
     let build = Opts::root().join(".aws-sam/build");
-    let functions = ["ApiFunction", "CallbackFunction", "PollerFunction", "RedriveFunction", "DeliveryFunction"];
+    let functions = [
+        "ApiFunction",
+        "CallbackFunction",
+        "PollerFunction",
+        "RedriveFunction",
+        "DeliveryFunction",
+        "SubmitterFunction",
+    ];
     let mut s = String::from("\n### The arm64 build `sam build` makes (what a deploy ships)\n\n");
     let found: Vec<_> =
         functions.iter().map(|f| (f, build.join(f).join("bootstrap"))).filter(|(_, p)| p.exists()).collect();
     if found.is_empty() {
         s.push_str(
             "Not measured in this run: no `.aws-sam/build` here. Run `infra/sam-build.sh` (≈ 20 min on 2 cores) \
-             and the bench again to get this table.\n",
+             and the bench again to get this table (the emulated cold starts below give the same builds' sizes).\n",
         );
         return Ok(s);
     }
     s.push_str(&format!(
-        "From `.aws-sam/build` (cargo-lambda, release, aarch64). Cold start is not measured for it: this machine is not \
-         arm64, and emulated timings would say nothing. Target: zip ≤ {TARGET_ZIP_MB} MB.\n\n\
+        "From `.aws-sam/build` (cargo-lambda, release, aarch64); their cold starts, under emulation, are below. \
+         Target: zip ≤ {TARGET_ZIP_MB} MB.\n\n\
          | function | binary | zip | target |\n| --- | --- | --- | --- |\n"
     ));
     for (f, p) in found {
@@ -494,6 +604,8 @@ struct Row {
     native: bool,
     init: Spread,
     first: Spread,
+    /// The first request alone: from the first `GET /next` to the answer.
+    request: Spread,
     cpu: Spread,
     rss: Spread,
     size: f64,
@@ -503,32 +615,47 @@ struct Row {
 const FLOOR_PREFIX: &str = "floor:";
 
 fn render(rows: &[Row], repeats: usize, opts: &Opts) -> String {
-    let hello = rows.first().map_or((1.0, 1.0), |r| (r.first.median.max(1e-9), r.cpu.median.max(1e-9)));
-    let floor = rows.iter().find(|r| r.name.starts_with(FLOOR_PREFIX)).map(|r| r.first.median.max(1e-9));
-    let python = rows.iter().find(|r| !r.native).map(|r| r.first.median);
     let mut s = format!(
         "## 3. Cold start and footprint\n\n\
          Each function's {} binary (`{}`) started as Lambda starts it: the Runtime API served on \
          loopback, Lambda's variables, the function's environment as template.yaml sets it, its \
          secrets read from SSM parameters at init and its table and queues — all on moto. Init = \
-         process start to its first `GET /next`; first request = process start to its answer to a \
-         real first event (it pays for the connections). CPU = the time the process itself ran (all \
-         threads, from the kernel's counters) up to that answer: its own work, without the waits for \
-         moto. {repeats} start(s) each; medians (min–max). Targets: init + first request ≤ \
-         {TARGET_RATIO}× hello, peak RSS ≤ {TARGET_RSS_MB} MB, zip ≤ {TARGET_ZIP_MB} MB. The floor \
-         is a yardstick of ours: hello plus only the AWS calls the callback must make, through the \
-         same SDK client — what a cold start costs before any of the relay's own work.\n\n\
-         | function | init | init + first request | ÷ hello | ÷ floor |{} CPU (init + first) | CPU ÷ hello's | peak RSS | binary | zip | targets (time, RSS, zip) |\n\
-         | --- | --- | --- | --- | --- |{} --- | --- | --- | --- | --- | --- |\n",
+         process start to its first `GET /next` (the functions open their DynamoDB connection \
+         there); first request alone = from that `GET /next` to the answer to a real first event; \
+         init + first request = process start to that answer, the figure a cold caller waits for. \
+         CPU = the time the process itself ran (all threads, from the kernel's counters) up to that \
+         answer: its own work, without the waits for moto. {repeats} start(s) each; medians \
+         (min–max). Targets: init + first request ≤ {TARGET_RATIO}× hello, peak RSS ≤ \
+         {TARGET_RSS_MB} MB, zip ≤ {TARGET_ZIP_MB} MB. The floor is a yardstick of ours: hello plus \
+         only the AWS calls the callback must make, through the same SDK client — what a cold start \
+         costs before any of the relay's own work.\n\n",
         if opts.bin_dir.ends_with("release") { "release" } else { "debug" },
         opts.bin_dir.display(),
+    );
+    s.push_str(&table(rows, true));
+    if !rows.iter().any(|r| !r.native) {
+        s.push_str("\nThe Python row is missing: `.venv-bench` is not installed (`infra/tools.sh bench`).\n");
+    }
+    s
+}
+
+/// The cold-start table: each row against the first (hello), the floor and, if measured, Python;
+/// with `verdicts`, each function against the targets (not under emulation: its times and
+/// RSS are qemu's too).
+fn table(rows: &[Row], verdicts: bool) -> String {
+    let hello = rows.first().map_or((1.0, 1.0), |r| (r.first.median.max(1e-9), r.cpu.median.max(1e-9)));
+    let floor = rows.iter().find(|r| r.name.starts_with(FLOOR_PREFIX)).map(|r| r.first.median.max(1e-9));
+    let python = rows.iter().find(|r| !r.native).map(|r| r.first.median);
+    let mut s = format!(
+        "| function | init | first request alone | init + first request | ÷ hello | ÷ floor |{} CPU (init + first) | CPU ÷ hello's | peak RSS | binary | zip | targets (time, RSS, zip) |\n\
+         | --- | --- | --- | --- | --- | --- |{} --- | --- | --- | --- | --- | --- |\n",
         if python.is_some() { " ÷ Python |" } else { "" },
         if python.is_some() { " --- |" } else { "" },
     );
     for (i, r) in rows.iter().enumerate() {
         let ratio = r.first.median / hello.0;
         let yardstick = i == 0 || r.name.starts_with(FLOOR_PREFIX);
-        let verdict = if yardstick || !r.native {
+        let verdict = if yardstick || !r.native || !verdicts {
             "—".to_owned()
         } else {
             let v = |ok: bool| if ok { "met" } else { "missed" };
@@ -537,9 +664,10 @@ fn render(rows: &[Row], repeats: usize, opts: &Opts) -> String {
         let py = python.map(|p| format!(" {:.2}× |", r.first.median / p)).unwrap_or_default();
         let to_floor = floor.map_or("—".to_owned(), |f| format!("{:.1}×", r.first.median / f));
         s.push_str(&format!(
-            "| {} | {} | {} | {ratio:.1}× | {to_floor} |{py} {} | {:.1}× | {} | {} | {} | {verdict} |\n",
+            "| {} | {} | {} | {} | {ratio:.1}× | {to_floor} |{py} {} | {:.1}× | {} | {} | {} | {verdict} |\n",
             r.name,
             r.init.show(1, " ms"),
+            r.request.show(1, " ms"),
             r.first.show(1, " ms"),
             r.cpu.show(1, " ms"),
             r.cpu.median / hello.1,
@@ -547,9 +675,6 @@ fn render(rows: &[Row], repeats: usize, opts: &Opts) -> String {
             if r.native { format!("{:.1} MB", r.size) } else { "—".into() },
             if r.native { format!("{:.2} MB", r.zip) } else { "—".into() },
         ));
-    }
-    if python.is_none() {
-        s.push_str("\nThe Python row is missing: `.venv-bench` is not installed (`infra/tools.sh bench`).\n");
     }
     s
 }
