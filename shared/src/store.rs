@@ -586,7 +586,7 @@ impl TaskStore {
         fingerprint: Option<&str>,
     ) -> Result<Created, StoreError> {
         let in_work: Item = [
-            (attr::SQ_KEY, s(&queue::in_work_key(&task.task_ref))),
+            (attr::SQ_KEY, s(&queue::in_work_key(&task.task_ref, self.shards))),
             (attr::SQ_AT, n(task.created_at.plus(task.kind.busy_for()).as_millis())),
         ]
         .into_iter()

@@ -30,8 +30,6 @@ use crate::time::Timestamp;
 
 /// The sparse keys-only index of queued tasks (per lane) and tasks in work (per shard).
 pub const QUEUE_INDEX: &str = "submit-queue";
-/// Shards of the in-work part of the index.
-pub const IN_WORK_SHARDS: u8 = 4;
 /// The item whose every write wakes the submitter (through the table's stream).
 pub const WAKE_KEY: &str = "submitq#wake";
 
@@ -44,9 +42,10 @@ pub fn queued_key(lane: &str) -> String {
     format!("q#{lane}")
 }
 
-/// The index key of a task in work.
-pub fn in_work_key(task_ref: &TaskRef) -> String {
-    format!("w#{}", task_ref.shard(IN_WORK_SHARDS))
+/// The index key of a task in work: spread like the other sparse indexes, over the store's
+/// shards (`POLL_SHARDS`; readers cover the previous count during a change).
+pub fn in_work_key(task_ref: &TaskRef, shards: super::Shards) -> String {
+    format!("w#{}", shards.of(task_ref))
 }
 
 fn lane_attr(lane: &str) -> String {
@@ -441,7 +440,7 @@ impl TaskStore {
             .expression_attribute_values(":submitting", s("submitting"))
             .expression_attribute_values(":queued", s("queued"))
             .expression_attribute_values(":now", n(now.as_millis()))
-            .expression_attribute_values(":w", s(&in_work_key(task_ref)))
+            .expression_attribute_values(":w", s(&in_work_key(task_ref, self.shards)))
             .expression_attribute_values(":shard", n(u64::from(self.shards.of(task_ref))))
             .return_values(ReturnValue::AllNew)
             .send()
@@ -584,7 +583,7 @@ impl TaskStore {
     /// The tasks CaptchaAI may be working on at `now`: every one listed in work whose thread is
     /// not surely free yet (keys only; one small Query per shard, at once).
     pub async fn in_work(&self, now: Timestamp) -> Result<Vec<TaskRef>, StoreError> {
-        let queries = (0..IN_WORK_SHARDS).map(|shard| async move {
+        let queries = (0..self.shards.read()).map(|shard| async move {
             let mut refs = Vec::new();
             let mut start = None;
             loop {
