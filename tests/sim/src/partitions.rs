@@ -393,8 +393,11 @@ fn fold(st: &mut State) {
 }
 
 /// Moves the counters to `second`, folding the last one's into the peaks.
+///
+/// Only forwards: a request admitted in an earlier second and charged after the clock moved is
+/// charged to the current one.
 fn roll(st: &mut State, second: u64) {
-    if st.now.second != second {
+    if second > st.now.second {
         fold(st);
         st.now.wcu.clear();
         st.now.rcu.clear();
@@ -745,6 +748,27 @@ fn at_limit<'a>(st: &State, keys: impl IntoIterator<Item = &'a PartKey>, write: 
     keys.into_iter().find(|k| used.get(*k).copied().unwrap_or(0.0) >= lim).cloned()
 }
 
+/// Units held on keys from admission until the request's real cost is charged.
+struct Held {
+    second: u64,
+    keys: Vec<PartKey>,
+    unit: f64,
+    write: bool,
+}
+
+/// Gives back what admission held, in the same lock as the real cost is charged.
+fn release(st: &mut State, h: &Held) {
+    if st.now.second != h.second {
+        return;
+    }
+    let used = if h.write { &mut st.now.wcu } else { &mut st.now.rcu };
+    for k in &h.keys {
+        if let Some(u) = used.get_mut(k) {
+            *u = (*u - h.unit).max(0.0);
+        }
+    }
+}
+
 fn reason(k: &PartKey, write: bool) -> &'static str {
     match (k.index.is_some(), write) {
         (false, true) => "TableWriteKeyRangeThroughputExceeded",
@@ -809,6 +833,7 @@ async fn forward(
     let writes = if counting && is_write { touches(&op, &request, &schemas) } else { vec![] };
 
     // Admission.
+    let mut held: Option<Held> = None;
     if counting && (is_write || is_read) {
         let Ok(mut st) = sh.state.lock() else { return engine_error() };
         roll(&mut st, second);
@@ -870,6 +895,16 @@ async fn forward(
             }
             return throttled_response(reason(&k, is_write), &k);
         }
+        // Admitted: the least it will cost is held on its keys at once, so requests in flight
+        // together cannot all pass a key that only their sum takes over its limit.
+        keys.sort();
+        keys.dedup();
+        let unit = if is_write { 1.0 } else { 0.5 };
+        let used = if is_write { &mut st.now.wcu } else { &mut st.now.rcu };
+        for k in &keys {
+            *used.entry(k.clone()).or_default() += unit;
+        }
+        held = Some(Held { second: st.now.second, keys, unit, write: is_write });
     }
 
     // The engine.
@@ -890,9 +925,13 @@ async fn forward(
     let answer = resp.bytes().await.unwrap_or_default();
 
     if counting && is_write {
-        charge_writes(&sh, &auth, second, &op, status, &answer, &writes, &schemas).await;
+        charge_writes(&sh, &auth, second, &op, status, &answer, &writes, &schemas, held.as_ref()).await;
     } else if counting && is_read && status == 200 {
-        charge_read(&sh, second, &op, &request, &answer, &schemas);
+        charge_read(&sh, second, &op, &request, &answer, &schemas, held.as_ref());
+    } else if let Some(h) = &held
+        && let Ok(mut st) = sh.state.lock()
+    {
+        release(&mut st, h);
     }
     out.body(axum::body::Body::from(answer)).unwrap_or_default()
 }
@@ -907,9 +946,13 @@ async fn charge_writes(
     answer: &[u8],
     writes: &[Touch],
     schemas: &HashMap<String, Arc<Schema>>,
+    held: Option<&Held>,
 ) {
     let conditional_failed = status == 400 && String::from_utf8_lossy(answer).contains("ConditionalCheckFailed");
     if status != 200 && !conditional_failed {
+        if let (Some(h), Ok(mut st)) = (held, sh.state.lock()) {
+            release(&mut st, h);
+        }
         return;
     }
     // A transaction costs two units per KB.
@@ -937,6 +980,9 @@ async fn charge_writes(
         new_images.push(image);
     }
     let Ok(mut st) = sh.state.lock() else { return };
+    if let Some(h) = held {
+        release(&mut st, h);
+    }
     roll(&mut st, second);
     for (t, new) in writes.iter().zip(new_images) {
         let Some(schema) = schemas.get(&t.table) else { continue };
@@ -970,6 +1016,7 @@ async fn charge_writes(
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn charge_read(
     sh: &Shared,
     second: u64,
@@ -977,10 +1024,14 @@ fn charge_read(
     request: &Value,
     answer: &[u8],
     schemas: &HashMap<String, Arc<Schema>>,
+    held: Option<&Held>,
 ) {
-    let Ok(v) = serde_json::from_slice::<Value>(answer) else { return };
+    let v = serde_json::from_slice::<Value>(answer).unwrap_or(Value::Null);
     let consistent = request["ConsistentRead"] == true;
     let Ok(mut st) = sh.state.lock() else { return };
+    if let Some(h) = held {
+        release(&mut st, h);
+    }
     roll(&mut st, second);
     let Some(schema) = request["TableName"].as_str().and_then(|t| schemas.get(t)) else {
         if op == "BatchGetItem" {
@@ -1151,6 +1202,28 @@ mod tests {
         let r = meter.report();
         assert_eq!(r.throttled.get(&PartKey::table("hot")), Some(&1));
         assert_eq!(r.max_wcu.get(&PartKey::table("hot")).map(|p| p.units), Some(100.0));
+        // Requests in flight together: no more than the limit pass, whatever their order.
+        clock.advance(std::time::Duration::from_secs(1));
+        let mut set = tokio::task::JoinSet::new();
+        for i in 0..150 {
+            let (client, table) = (client.clone(), table.to_owned());
+            set.spawn(async move {
+                client
+                    .update_item()
+                    .table_name(table)
+                    .key("pk", aws_sdk_dynamodb::types::AttributeValue::S("together".into()))
+                    .update_expression("SET c = :c")
+                    .expression_attribute_values(":c", aws_sdk_dynamodb::types::AttributeValue::N(i.to_string()))
+                    .send()
+                    .await
+                    .is_ok()
+            });
+        }
+        let mut passed = 0;
+        while let Some(ok) = set.join_next().await {
+            passed += usize::from(ok?);
+        }
+        assert_eq!(passed, 100, "a tenth of 1,000 WCU/s");
         // The next simulated second admits it again.
         clock.advance(std::time::Duration::from_secs(1));
         client
