@@ -18,9 +18,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use relay_shared::codes::is_error_code;
 use relay_shared::deadletter::DeadLetter;
+use relay_shared::local::LocalDynamo;
 use relay_shared::store::TaskStore;
 use relay_shared::telemetry::redact;
-use relay_shared::local::LocalDynamo;
 use relay_shared::time::Timestamp;
 
 use crate::queue::{DiskQueue, Poisoned};

@@ -12,7 +12,6 @@ use aws_sdk_dynamodb::Client;
 use crate::local::config_for;
 pub use crate::local::{FlakyDynamo, LocalDynamo, client_for, http_client as test_http_client, receiver};
 
-
 /// A valid `POST /tasks` body for each kind, as the simulations and the end-to-end run send it.
 pub fn body_for(kind: crate::domain::CaptchaKind) -> &'static str {
     match kind {
@@ -36,7 +35,6 @@ pub fn body_for(kind: crate::domain::CaptchaKind) -> &'static str {
         }
     }
 }
-
 
 /// Counts the DynamoDB operations a client sends, by name (`Query`, `Scan`, `UpdateItem`…),
 /// so tests can assert what the code under test asked of the table.
@@ -144,7 +142,6 @@ impl ApiGatewayEvent {
         lambda_http::request::from_str(&self.event.to_string()).unwrap_or_default()
     }
 }
-
 
 /// A dead-letter sink that fails while told to (a queue outage), in front of a real one.
 #[derive(Debug, Clone)]
