@@ -16,18 +16,43 @@ use crate::store::{TaskStore, schema};
 
 pub mod receiver;
 
-/// A running engine. Dropping it stops the embedded server.
-pub struct LocalDynamo {
-    pub endpoint: String,
-    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
-}
+/// Stops a server on loopback when dropped (its graceful shutdown is told once).
+#[derive(Debug, Default)]
+pub struct StopOnDrop(Option<tokio::sync::oneshot::Sender<()>>);
 
-impl Drop for LocalDynamo {
+impl Drop for StopOnDrop {
     fn drop(&mut self) {
-        if let Some(tx) = self.shutdown.take() {
+        if let Some(tx) = self.0.take() {
             let _ = tx.send(());
         }
     }
+}
+
+impl StopOnDrop {
+    /// A guard and the signal it sends when dropped.
+    fn pair() -> (Self, impl std::future::Future<Output = ()> + Send + 'static) {
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        (Self(Some(tx)), async move {
+            let _ = rx.await;
+        })
+    }
+}
+
+/// Serves `app` on 127.0.0.1 (a free port): its `http://` endpoint, and the guard that stops it.
+pub async fn serve_on_loopback(app: axum::Router) -> anyhow::Result<(String, StopOnDrop)> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let endpoint = format!("http://{}", listener.local_addr()?);
+    let (guard, stopped) = StopOnDrop::pair();
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).with_graceful_shutdown(stopped).await;
+    });
+    Ok((endpoint, guard))
+}
+
+/// A running engine. Dropping it stops the embedded server.
+pub struct LocalDynamo {
+    pub endpoint: String,
+    _server: StopOnDrop,
 }
 
 impl LocalDynamo {
@@ -35,7 +60,7 @@ impl LocalDynamo {
     /// `RELAY_TEST_DYNAMODB_ENDPOINT` when it is set.
     pub async fn start() -> anyhow::Result<Self> {
         if let Ok(endpoint) = std::env::var("RELAY_TEST_DYNAMODB_ENDPOINT") {
-            return Ok(Self { endpoint, shutdown: None });
+            return Ok(Self { endpoint, _server: StopOnDrop::default() });
         }
         Self::serve(dynoxide::Database::memory()?).await
     }
@@ -49,14 +74,11 @@ impl LocalDynamo {
     async fn serve(db: dynoxide::Database) -> anyhow::Result<Self> {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let endpoint = format!("http://{}", listener.local_addr()?);
-        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let (guard, stopped) = StopOnDrop::pair();
         tokio::spawn(async move {
-            let _ = dynoxide::server::serve_with_shutdown(listener, db, async move {
-                let _ = rx.await;
-            })
-            .await;
+            let _ = dynoxide::server::serve_with_shutdown(listener, db, stopped).await;
         });
-        Ok(Self { endpoint, shutdown: Some(tx) })
+        Ok(Self { endpoint, _server: guard })
     }
 
     pub fn client(&self) -> Client {
@@ -99,15 +121,7 @@ pub fn http_client() -> aws_smithy_runtime_api::client::http::SharedHttpClient {
 pub struct FlakyDynamo {
     pub endpoint: String,
     st: std::sync::Arc<FlakyShared>,
-    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
-}
-
-impl Drop for FlakyDynamo {
-    fn drop(&mut self) {
-        if let Some(tx) = self.shutdown.take() {
-            let _ = tx.send(());
-        }
-    }
+    _server: StopOnDrop,
 }
 
 #[derive(Default)]
@@ -220,18 +234,8 @@ impl FlakyDynamo {
             http: reqwest::Client::new(),
             shared: shared.clone(),
         };
-        let app = axum::Router::new().fallback(flaky_forward).with_state(st);
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let endpoint = format!("http://{}", listener.local_addr()?);
-        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        tokio::spawn(async move {
-            let _ = axum::serve(listener, app)
-                .with_graceful_shutdown(async move {
-                    let _ = rx.await;
-                })
-                .await;
-        });
-        Ok(Self { endpoint, st: shared, shutdown: Some(tx) })
+        let (endpoint, server) = serve_on_loopback(axum::Router::new().fallback(flaky_forward).with_state(st)).await?;
+        Ok(Self { endpoint, st: shared, _server: server })
     }
 
     pub fn set_failing(&self, on: bool) {

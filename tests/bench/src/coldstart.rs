@@ -79,7 +79,7 @@ fn answered(seen: &Shared, ok: bool, body: String) {
 }
 
 /// Serves the Runtime API for one process on a free loopback port.
-async fn runtime_api(event: String) -> anyhow::Result<(String, Shared, tokio::sync::oneshot::Sender<()>)> {
+async fn runtime_api(event: String) -> anyhow::Result<(String, Shared, relay_shared::local::StopOnDrop)> {
     use axum::routing::{get, post};
     let seen: Shared = Arc::new(Mutex::new(Seen { event, ..Seen::default() }));
     let app = axum::Router::new()
@@ -106,17 +106,10 @@ async fn runtime_api(event: String) -> anyhow::Result<(String, Shared, tokio::sy
             }),
         )
         .with_state(seen.clone());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?.to_string();
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(async move {
-        let _ = axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
-                let _ = rx.await;
-            })
-            .await;
-    });
-    Ok((addr, seen, tx))
+    let (endpoint, server) = relay_shared::local::serve_on_loopback(app).await?;
+    // The Runtime API is named by host:port, without the scheme.
+    let addr = endpoint.trim_start_matches("http://").to_owned();
+    Ok((addr, seen, server))
 }
 
 /// One cold start.
@@ -197,7 +190,7 @@ async fn start_once(f: &Function, log: &Path) -> anyhow::Result<Start> {
     };
     let _ = child.kill();
     let _ = child.wait();
-    let _ = stop.send(());
+    drop(stop);
     result.map_err(|e| {
         let tail = std::fs::read_to_string(log).unwrap_or_default();
         let tail: String = tail.lines().rev().take(5).collect::<Vec<_>>().join("\n");

@@ -238,15 +238,7 @@ struct Shared {
 pub struct PartitionMeter {
     pub endpoint: String,
     sh: Arc<Shared>,
-    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
-}
-
-impl Drop for PartitionMeter {
-    fn drop(&mut self) {
-        if let Some(tx) = self.shutdown.take() {
-            let _ = tx.send(());
-        }
-    }
+    _server: relay_shared::local::StopOnDrop,
 }
 
 /// A handle that changes a meter's limits and faults (for actors on the clock).
@@ -288,17 +280,8 @@ impl PartitionMeter {
             faults: AtomicU64::new(0),
         });
         let app = axum::Router::new().fallback(forward).with_state(sh.clone());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let endpoint = format!("http://{}", listener.local_addr()?);
-        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        tokio::spawn(async move {
-            let _ = axum::serve(listener, app)
-                .with_graceful_shutdown(async move {
-                    let _ = rx.await;
-                })
-                .await;
-        });
-        Ok(Self { endpoint, sh, shutdown: Some(tx) })
+        let (endpoint, server) = relay_shared::local::serve_on_loopback(app).await?;
+        Ok(Self { endpoint, sh, _server: server })
     }
 
     /// Stops (or resumes) counting and limiting: the harness's own reads at the end of a run are
