@@ -278,8 +278,9 @@ struct Inner {
     peak_in_work: u32,
     /// NO_SLOT answers of the last minute (for the peak per minute).
     no_slot_times: VecDeque<u64>,
-    /// res.php requests per whole second of the fake's clock, and the most in any one.
-    res_php_per_second: std::collections::BTreeMap<u64, u64>,
+    /// res.php requests in the current whole second of the fake's clock (second, count), and
+    /// the most in any one.
+    res_php_second: (u64, u64),
     max_res_php_per_second: u64,
     max_no_slot_per_minute: u64,
     /// When the last NO_SLOT ban was imposed: the ban rules count only NO_SLOT answers after it.
@@ -380,7 +381,7 @@ impl FakeCaptchaAi {
                 in_work: BinaryHeap::new(),
                 peak_in_work: 0,
                 no_slot_times: VecDeque::new(),
-                res_php_per_second: std::collections::BTreeMap::new(),
+                res_php_second: (0, 0),
                 max_res_php_per_second: 0,
                 max_no_slot_per_minute: 0,
                 no_slot_banned_at: 0,
@@ -943,9 +944,8 @@ async fn res_php(
         let mut g = shared.lock();
         g.counts.res_php += 1;
         let second = now / 1_000;
-        let n = g.res_php_per_second.entry(second).or_default();
-        *n += 1;
-        let n = *n;
+        let n = if g.res_php_second.0 == second { g.res_php_second.1 + 1 } else { 1 };
+        g.res_php_second = (second, n);
         g.max_res_php_per_second = g.max_res_php_per_second.max(n);
     }
     if let Some(r) = apply_fault(&shared, Endpoint::ResPhp).await {
