@@ -10,7 +10,9 @@ Checks:
                   cloudwatch.amazonaws.com Decrypt and GenerateDataKey* (never alias/aws/sns).
   sqs-visibility  a queue feeding a function has VisibilityTimeout >= 6 x the function's timeout
                   + the event source's MaximumBatchingWindowInSeconds (AWS's guidance).
-  reserved        no function reserves concurrency unconditionally (new accounts cannot).
+  reserved        every function's reserved concurrency is a parameter that can be off (!If with
+                  AWS::NoValue): never reserved unconditionally (new accounts cannot), never a
+                  ceiling fixed in the template.
   secrets         every function reading a secret parameter (`*_PARAM`) may ssm:GetParameter it;
                   one that may name /aws/reference/secretsmanager/... comes with a
                   secretsmanager:GetSecretValue grant naming it, conditional on a condition that
@@ -61,8 +63,7 @@ Checks:
   capacity        every ceiling is a parameter (issue 25, docs/capacity.md): every throttle
                   (DefaultRouteSettings and RouteSettings of every HTTP API) is a Ref to a Number
                   parameter, never a literal; the pingback routes (/callback/...) have their own
-                  throttle; every function's ReservedConcurrentExecutions is a parameter that can
-                  be off; every DynamoDB stream event of the delivery function sets
+                  throttle (reserved concurrency: `reserved`); every DynamoDB stream event of the delivery function sets
                   ParallelizationFactor from a parameter; POLL_SHARDS and POLL_SHARDS_PREVIOUS
                   reach every function (Globals). With the parameters' defaults, overridden by
                   samconfig.toml's parameter_overrides and any `--param Name=Value` given, the
@@ -206,7 +207,9 @@ def check_reserved(t):
         if r.get("Type") not in ("AWS::Serverless::Function", "AWS::Lambda::Function"):
             continue
         v = r.get("Properties", {}).get("ReservedConcurrentExecutions")
-        if v is not None and not any(is_no_value(b) for b in branches(v)):
+        if v is None or not any(number_param(t, b) for b in branches(v)):
+            out.append(f"{name}: ReservedConcurrentExecutions is not a parameter (!If [Has..., !Ref ..., !Ref AWS::NoValue])")
+        elif not any(is_no_value(b) for b in branches(v)):
             out.append(f"{name}: ReservedConcurrentExecutions is always set; make it a parameter that can be off")
     return out
 
@@ -899,12 +902,6 @@ def check_capacity(t, overrides=None):
     need = num("ExpectedTasksPerSecond") * INDEX_WRITES_PER_TASK / (PARTITION_WCU / 2)
     if shards < need:
         out.append(f"PollShards = {vals.get('PollShards')} is too few for ExpectedTasksPerSecond = {vals.get('ExpectedTasksPerSecond')}: each key would take {num('ExpectedTasksPerSecond') * INDEX_WRITES_PER_TASK / max(shards, 1):g} writes/s (half of {PARTITION_WCU} at most; need {need:g} shards)")
-    for fn, r in t["Resources"].items():
-        if r.get("Type") != "AWS::Serverless::Function":
-            continue
-        rc = r.get("Properties", {}).get("ReservedConcurrentExecutions")
-        if rc is None or not any(number_param(t, b) for b in branches(rc)):
-            out.append(f"{fn}: ReservedConcurrentExecutions is not a parameter (!If [Has..., !Ref ..., !Ref AWS::NoValue])")
     for fn, name, ev in delivery_stream_events(t, "TasksTable"):
         if number_param(t, ev.get("ParallelizationFactor")) is None:
             out.append(f"{fn}.{name}: the stream's ParallelizationFactor is not a parameter")
@@ -1029,7 +1026,7 @@ def capacity_cases(t, broken):
         ("capacity", broken(set_default("ApiBurst", 9000)), "burst quota"),
         ("capacity", broken(set_default("CompatReadsPerSecond", 9000)), "add up to"),
         ("capacity", broken(lambda c: c["Globals"]["Function"]["Environment"]["Variables"].pop("POLL_SHARDS")), "POLL_SHARDS"),
-        ("capacity", broken(lambda c: c["Resources"]["DeliveryFunction"]["Properties"].pop("ReservedConcurrentExecutions")), "not a parameter"),
+        ("reserved", broken(lambda c: c["Resources"]["DeliveryFunction"]["Properties"].pop("ReservedConcurrentExecutions")), "not a parameter"),
         ("capacity", broken(lambda c: c["Resources"]["DeliveryFunction"]["Properties"]["Events"]["TableStream"]["Properties"].__setitem__("ParallelizationFactor", 2)), "ParallelizationFactor"),
     ]
     if cb_key:
