@@ -196,6 +196,10 @@ pub struct LoadReport {
     pub delivered: usize,
     pub owed: Vec<String>,
     pub record_to_push_ms: Vec<f64>,
+    /// Per push that carried a token: its life left when the owner's receiver got it, ms.
+    pub life_left_ms: Vec<f64>,
+    /// Tokens fresh when recorded whose first accepted push came after they died.
+    pub pushed_after_death: Vec<String>,
     pub res_php: u64,
     pub in_php: u64,
     pub bans: u64,
@@ -241,6 +245,13 @@ impl LoadReport {
         if !self.owed.is_empty() {
             v.push(format!("{} pushes owed: {:?}", self.owed.len(), &self.owed[..self.owed.len().min(3)]));
         }
+        if !self.pushed_after_death.is_empty() {
+            v.push(format!(
+                "{} tokens pushed after they died: {:?}",
+                self.pushed_after_death.len(),
+                &self.pushed_after_death[..self.pushed_after_death.len().min(3)]
+            ));
+        }
         if self.bans > 0 {
             v.push(format!("{} CaptchaAI bans", self.bans));
         }
@@ -279,6 +290,13 @@ impl LoadReport {
             p(50.0),
             p(99.0),
             p(100.0)
+        ));
+        out.push_str(&format!(
+            "| token life left at the owner, s: p50 / p1 / min (pushed after death) | {:.1} / {:.1} / {:.1} ({}) |\n",
+            percentile(&self.life_left_ms, 50.0) / 1000.0,
+            percentile(&self.life_left_ms, 1.0) / 1000.0,
+            percentile(&self.life_left_ms, 0.0) / 1000.0,
+            self.pushed_after_death.len()
         ));
         out.push_str(&format!(
             "| res.php requests per task / in.php calls per task / bans | {:.3} / {:.3} / {} |\n",
@@ -757,6 +775,8 @@ async fn check(w: &World, receiver: &Receiver, submitted: &[Submitted], r: &mut 
     r.delivered = c.delivered;
     r.owed = c.owed;
     r.record_to_push_ms = c.record_to_2xx_ms.iter().map(|v| *v as f64).collect();
+    r.life_left_ms = c.life_left_ms.iter().map(|v| *v as f64).collect();
+    r.pushed_after_death = c.pushed_after_death;
     let counts = w.fake.counts();
     r.res_php = counts.res_php;
     r.in_php = counts.in_php;
