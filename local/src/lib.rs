@@ -68,6 +68,7 @@ impl Relay {
                 // beside any made with the operator command.
                 relay_keys: relay_shared::store::RelayKeys::new(Some(store.clone())).with_fixed("local", &p.api_key),
                 compat: relay_api::compat::CompatState::default(),
+                admission: Default::default(),
                 delivery_policy: p.delivery_policy,
             },
             callback: relay_callback::Deps {
@@ -90,10 +91,7 @@ impl Relay {
             captchaai: self.api.captchaai.clone(),
             dead_letters: self.api.dead_letters.clone(),
             grace: self.api.callback_grace.clone(),
-            settings: relay_submitter::SubmitterSettings {
-                queue: self.api.queue.clone(),
-                ..relay_submitter::SubmitterSettings::default()
-            },
+            settings: relay_submitter::SubmitterSettings::for_queue(self.api.queue.clone()),
             owner: owner.to_owned(),
             waker: self.api.waker.clone(),
         }

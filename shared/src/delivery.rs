@@ -525,14 +525,31 @@ impl Deliverer {
         loop {
             let now = clock.now();
             if now >= next_pass {
-                let (batch, more) = self.due_now(now, &mut report).await;
+                // The pass's store calls, with the inbox read meanwhile: a wake-up waiting
+                // unread would hold its guard while a call sleeps in the SDK's back-off, and on a
+                // simulated clock stop time (this loop is working: its own guard covers them).
+                let pass = async {
+                    let (batch, more) = self.due_now(now, &mut report).await;
+                    (batch, more, self.store.oldest_delivery_due().await)
+                };
+                tokio::pin!(pass);
+                let mut told = Vec::new();
+                let (batch, more, oldest) = loop {
+                    tokio::select! {
+                        r = &mut pass => break r,
+                        Some((due, _b)) = inbox.recv() => told.push(due),
+                    }
+                };
                 for d in batch {
                     if running.insert(d.task_ref.clone()) {
                         self.spawn_push(&mut work, d, &clock);
                     }
                 }
+                for due in told {
+                    self.take_in(due, &clock, &mut running, &mut work, &mut timers);
+                }
                 let now = clock.now();
-                next_pass = match self.store.oldest_delivery_due().await {
+                next_pass = match oldest {
                     _ if more => now.plus(Duration::from_millis(100)),
                     Ok(Some(t)) if t > now => t.min(now.plus(catch_up)),
                     _ => now.plus(catch_up),
@@ -573,18 +590,7 @@ impl Deliverer {
                     }
                 },
                 m = inbox.recv() => match m {
-                    Some((due, _b)) => {
-                        if due.due_at <= clock.now() {
-                            if running.insert(due.task_ref.clone()) {
-                                self.spawn_push(&mut work, due, &clock);
-                            } else {
-                                // Pushed again while its attempt runs (a replay): look once it ends.
-                                timers.insert((clock.now().plus(Duration::from_secs(1)), due.task_ref));
-                            }
-                        } else {
-                            timers.insert((due.due_at, due.task_ref));
-                        }
-                    }
+                    Some((due, _b)) => self.take_in(due, &clock, &mut running, &mut work, &mut timers),
                     None => break,
                 },
                 () = clock.sleep_until(wake_at) => {}
@@ -592,6 +598,27 @@ impl Deliverer {
         }
         drop(busy);
         report
+    }
+
+    /// A push the inbox told of: started now if due (and not running), else timed.
+    fn take_in(
+        self: &Arc<Self>,
+        due: DueDelivery,
+        clock: &Arc<dyn Clock>,
+        running: &mut HashSet<TaskRef>,
+        work: &mut tokio::task::JoinSet<Child>,
+        timers: &mut BTreeSet<(Timestamp, TaskRef)>,
+    ) {
+        if due.due_at <= clock.now() {
+            if running.insert(due.task_ref.clone()) {
+                self.spawn_push(work, due, clock);
+            } else {
+                // Pushed again while its attempt runs (a replay): look once it ends.
+                timers.insert((clock.now().plus(Duration::from_secs(1)), due.task_ref));
+            }
+        } else {
+            timers.insert((due.due_at, due.task_ref));
+        }
     }
 
     fn log_hosts(&self, now: Timestamp) {

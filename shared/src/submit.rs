@@ -96,10 +96,11 @@ pub const QUEUE_TIMEOUT: &str = "ERROR_QUEUE_TIMEOUT";
 /// The default of [`QueueSettings::submits_per_second`]: 4 × 14 = 56 in any 3 s, under the 60
 /// that earn `MAX_USER_TURN`.
 pub const SUBMITS_PER_SECOND: u32 = 14;
-/// The most [`QueueSettings::submits_per_second`] may be: the pacer's per-second item and the
-/// in-work index keys each take about that many writes a second, far below DynamoDB's 1,000
-/// per partition key (docs/capacity.md).
-pub const MAX_SUBMITS_PER_SECOND: u32 = 100;
+/// The most [`QueueSettings::submits_per_second`] may be: the pacer's per-second item takes
+/// that many writes a second (a quarter of DynamoDB's 1,000 per partition key) and the in-work
+/// index keys 2 × that over `POLL_SHARDS` (docs/capacity.md). Far above what 2captcha's rules
+/// allow one key (60 in 3 s); for the largest CaptchaAI plans.
+pub const MAX_SUBMITS_PER_SECOND: u32 = 250;
 
 impl Default for QueueSettings {
     fn default() -> Self {
@@ -140,7 +141,7 @@ impl QueueSettings {
             // CaptchaAI plan may allow more, and the relay backs off if it does not.
             return Err(invalid(
                 "SUBMITS_PER_SECOND",
-                "must be 1 to 100 (above 15 only if your CaptchaAI plan allows more than 60 submits in 3 s)",
+                "must be 1 to 250 (above 15 only if your CaptchaAI plan allows more than 60 submits in 3 s)",
             ));
         }
         if !(1..=60).contains(&s.window.no_slot_per_minute) {
@@ -182,6 +183,38 @@ pub struct NotifyWaker(pub Arc<tokio::sync::Notify>);
 impl Waker for NotifyWaker {
     async fn wake(&self, _now: Timestamp) {
         self.0.notify_one();
+    }
+}
+
+/// What one API instance last saw of the submit queue. While other tasks wait in it, a permit
+/// is refused anyway (inline submits only go while the queue is empty), so for [`Self::FOR`]
+/// after a permit was refused for them the instance queues new tasks without first asking: one
+/// write on the account's state item per queued task instead of two (and at most one refused
+/// permit a second per instance). Only a refusal starts it, never the task's own reservation, so
+/// a drained queue is noticed within a second and inline submits resume — the state item is the stack's hottest
+/// partition key (docs/capacity.md). The hint only ever sends a task to the queue, which the
+/// submitter releases as threads free: it cannot send one past the plan or the pace.
+#[derive(Debug, Default, Clone)]
+pub struct AdmissionHint {
+    /// Shared by the clones of one instance's dependencies.
+    waiting_seen: Arc<std::sync::Mutex<Option<Timestamp>>>,
+}
+
+impl AdmissionHint {
+    /// How long a sight of waiting tasks is trusted: the queue is released at the in.php pace,
+    /// so a queue drains in well under a second only when it was nearly empty.
+    pub const FOR: Duration = Duration::from_secs(1);
+
+    /// Whether other tasks were seen waiting within [`Self::FOR`] of `now`.
+    pub fn queue_waiting(&self, now: Timestamp) -> bool {
+        let seen = *self.waiting_seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        seen.is_some_and(|at| now >= at && now.since(at) < Self::FOR)
+    }
+
+    /// Takes in the queue's count a refused permit returned.
+    pub fn saw(&self, queued: u64, now: Timestamp) {
+        let mut seen = self.waiting_seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        *seen = (queued > 0).then_some(now);
     }
 }
 
@@ -256,6 +289,23 @@ mod tests {
 
     fn code(c: &str) -> Result<CaptchaId, CaptchaAiError> {
         Err(CaptchaAiError::Code(ErrorCode::parse(c).expect("code")))
+    }
+
+    #[test]
+    fn the_admission_hint_skips_permits_only_while_others_wait_and_only_for_a_second() {
+        let hint = AdmissionHint::default();
+        let t = Timestamp::from_millis;
+        assert!(!hint.queue_waiting(t(0)), "nothing seen: ask for a permit");
+        hint.saw(0, t(1_000));
+        assert!(!hint.queue_waiting(t(1_001)), "refused with nothing queued (no permit left): ask again");
+        hint.saw(3, t(2_000));
+        assert!(hint.queue_waiting(t(2_000)) && hint.queue_waiting(t(2_999)), "others wait: queue at once");
+        assert!(!hint.queue_waiting(t(3_000)), "a second later it asks again");
+        hint.saw(5, t(4_000));
+        hint.saw(0, t(4_100));
+        assert!(!hint.queue_waiting(t(4_200)), "an empty queue seen ends the hint at once");
+        hint.saw(5, t(9_000));
+        assert!(!hint.queue_waiting(t(8_000)), "a clock behind the sighting trusts nothing");
     }
 
     #[test]

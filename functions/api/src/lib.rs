@@ -67,6 +67,8 @@ pub struct Deps {
     pub relay_keys: relay_shared::store::RelayKeys,
     /// Per-instance state of those routes (balance cache, per-key read limits).
     pub compat: compat::CompatState,
+    /// What this instance last saw of the submit queue (skips permits it would be refused).
+    pub admission: relay_shared::submit::AdmissionHint,
     /// Which owner callback URLs (`callback_url`, `pingback`) a task may carry
     /// (`DELIVERY_URL_POLICY`; on AWS public https only).
     pub delivery_policy: UrlPolicy,
@@ -96,6 +98,7 @@ impl Deps {
             relay_keys: relay_shared::store::RelayKeys::new(Some(store.clone())),
             waker: Arc::new(relay_shared::submit::StoreWaker(store.clone())),
             compat: compat::CompatState::default(),
+            admission: Default::default(),
             delivery_policy: relay_shared::delivery::url_policy(&env)?,
             store,
             captchaai: CaptchaAiClient::new(
@@ -350,19 +353,23 @@ pub(crate) async fn submit_task(req: &Request, deps: &Deps, input: SubmitInput) 
         let pingback = deps.signer.callback_url(&base, &task_ref);
         let fp = keyed.then_some(fingerprint.as_str());
         let initial = deps.queue.window.threads.unwrap_or(deps.queue.window.initial);
-        // One write: a permit to send it now, or the state that says why not.
-        let no_permit = match deps.store.take_permit(now, initial).await {
-            Ok(Permit::Taken) => None,
-            Ok(Permit::Refused(state)) => Some(state),
-            Err(e) => return Submitted::Store(e),
+        // One write: a permit to send it now, or the state that says why not — unless others
+        // were just seen waiting, when the permit would be refused (queued at once).
+        let no_permit = if deps.admission.queue_waiting(now) {
+            Some(None)
+        } else {
+            match deps.store.take_permit(now, initial).await {
+                Ok(Permit::Taken) => None,
+                Ok(Permit::Refused(state)) => {
+                    deps.admission.saw(state.queued, now);
+                    Some(Some(state))
+                }
+                Err(e) => return Submitted::Store(e),
+            }
         };
         if let Some(state) = no_permit {
-            if state.breaker.needs_operator
-                && let Some(until) = state.breaker.open_for_submits_at(now)
-            {
-                // A rejected key: queueing would only hold the work until it times out.
-                metrics::counter!("submits", "outcome" => "breaker_open").increment(1);
-                return Submitted::BreakerOpen { until, reason: state.breaker.reason.unwrap_or_default() };
+            if let Some(open) = state.and_then(|st| key_rejected(&st, now)) {
+                return open;
             }
             let task = Task { owner_callback, webhook_owner, ..Task::queued(task_ref, kind, now, lane) };
             return enqueue(deps, task, &submit, &pingback, fp, &fingerprint).await;
@@ -447,6 +454,14 @@ pub(crate) async fn submit_task(req: &Request, deps: &Deps, input: SubmitInput) 
     .await
 }
 
+/// A rejected key (the breaker open for an operator): queueing would only hold the work until
+/// it times out, so the submit is refused with the reason.
+fn key_rejected(state: &relay_shared::store::SubmitState, now: Timestamp) -> Option<Submitted> {
+    let until = state.breaker.open_for_submits_at(now).filter(|_| state.breaker.needs_operator)?;
+    metrics::counter!("submits", "outcome" => "breaker_open").increment(1);
+    Some(Submitted::BreakerOpen { until, reason: state.breaker.reason.clone().unwrap_or_default() })
+}
+
 async fn give_back_permit(deps: &Deps) {
     if let Err(e) = deps.store.give_back_permit().await {
         // The submitter publishes the permits afresh within a second of running.
@@ -482,8 +497,16 @@ async fn enqueue(
 ) -> Submitted {
     let TaskState::Queued { lane, .. } = &task.state else { return Submitted::Misconfigured };
     let lane = lane.clone();
+    let now = deps.clock.now();
     let state = match deps.store.reserve_queue(&lane, deps.queue.max_per_owner, deps.queue.max_total, false).await {
-        Ok(Reserved::Yes(state)) => state,
+        Ok(Reserved::Yes(state)) => {
+            if let Some(open) = key_rejected(&state, now) {
+                // Seen only now when the permit was skipped on the hint.
+                uncount(deps, &lane).await;
+                return open;
+            }
+            state
+        }
         Ok(Reserved::Full { owner, depth, bound }) => {
             metrics::counter!("submits", "outcome" => "queue_full").increment(1);
             tracing::warn!(event = "queue_full", owner, depth, bound, "submit queue at its bound; refused");
@@ -766,6 +789,7 @@ mod tests {
             relay_keys: relay_shared::store::RelayKeys::new(None)
                 .with_fixed("test", &SecretString::from(COMPAT_KEY.to_owned())),
             compat: compat::CompatState::default(),
+            admission: Default::default(),
             delivery_policy: UrlPolicy::AllowLoopback,
         };
         Ok(World { _db: db, fake, clock, deps })

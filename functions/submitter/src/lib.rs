@@ -23,7 +23,7 @@
 //! and the next run when one ends with tasks left — it also wakes its successor itself). Local
 //! mode runs [`serve_local`], woken in-process. Every wait goes through a [`Clock`].
 
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -37,6 +37,9 @@ use relay_shared::submit::window::{Gate, Window, WindowState};
 use relay_shared::submit::{InPhp, QUEUE_TIMEOUT, QueueSettings, Recorder, Waker};
 use relay_shared::time::{Clock, Timestamp};
 use serde::Serialize;
+
+/// The most in.php calls the submitter has in flight at once (`SUBMIT_CONCURRENCY`).
+pub const MAX_SUBMIT_CONCURRENCY: usize = 256;
 
 /// The submitter's knobs. Defaults are what the template deploys.
 #[derive(Debug, Clone)]
@@ -84,11 +87,18 @@ impl Default for SubmitterSettings {
 }
 
 impl SubmitterSettings {
+    /// The defaults for `queue`'s pace: a second of in.php calls at the pace in flight
+    /// (CaptchaAI answers in.php in a few hundred ms; 8 calls at once would hold a pace of
+    /// 100/s to 8 / latency), at least 8.
+    pub fn for_queue(queue: QueueSettings) -> Self {
+        let concurrency = Self::default().concurrency.max(queue.submits_per_second as usize);
+        Self { queue, concurrency: concurrency.min(MAX_SUBMIT_CONCURRENCY), ..Self::default() }
+    }
+
     pub fn from_settings(env: &Settings) -> Result<Self, ConfigError> {
-        let d = Self::default();
+        let d = Self::for_queue(QueueSettings::from_settings(env)?);
         Ok(Self {
-            queue: QueueSettings::from_settings(env)?,
-            concurrency: env.parse_or("SUBMIT_CONCURRENCY", d.concurrency)?.clamp(1, 64),
+            concurrency: env.parse_or("SUBMIT_CONCURRENCY", d.concurrency)?.clamp(1, MAX_SUBMIT_CONCURRENCY),
             period: Duration::from_secs(60 * env.parse_or("SUBMIT_SCHEDULE_MINUTES", 1u64)?.max(1)),
             ..d
         })
@@ -277,6 +287,9 @@ pub async fn run(
         api_no_slots: state.api_no_slots_seen,
         pause_until: start,
         pace_until: start,
+        moved: BTreeMap::new(),
+        looked_at: None,
+        renewed_at: start,
     };
     r.reconcile_lost_lanes(&state, &mut report).await;
     let mut calls: tokio::task::JoinSet<Sent> = tokio::task::JoinSet::new();
@@ -291,7 +304,14 @@ pub async fn run(
         }
         let now = clock.now();
         report.max_queued = report.max_queued.max(state.queued);
-        let counted = r.in_flight(now, &mut report).await.unwrap_or(in_flight);
+        // The index once a tick; between looks, this run's own sends are counted as they go.
+        let look = r.looked_at.is_none_or(|at| now.since(at) >= s.tick);
+        let counted = if look {
+            r.looked_at = Some(now);
+            r.in_flight(now, &mut report).await.unwrap_or(in_flight)
+        } else {
+            in_flight
+        };
         if counted < in_flight {
             // A task finished (its result recorded): progress, for the window's stall rule.
             r.window.finished(now);
@@ -331,6 +351,12 @@ pub async fn run(
             r.answered(done, &mut report).await;
         }
         let now = clock.now();
+        if now.since(r.renewed_at) < s.tick && now < send_until {
+            // Renewed less than a tick ago (answers come faster than ticks at a high rate).
+            continue;
+        }
+        r.flush_counts(&mut report).await;
+        r.renewed_at = now;
         let publish = r.publish(in_flight, now);
         match deps.store.releaser_lease(&deps.owner, now, now.plus(s.lease), Some(&publish)).await {
             Ok(Some(st)) => state = st,
@@ -360,11 +386,18 @@ pub async fn run(
             }
         }
     }
-    // The answers still owed (each call ends within the in.php timeout).
-    while let Some(done) = calls.join_next().await {
+    // The answers still owed (each call ends within the in.php timeout; the calls hold guards
+    // of their own).
+    loop {
+        let next = {
+            let _parked = clock.parked();
+            calls.join_next().await
+        };
+        let Some(done) = next else { break };
         r.answered(done, &mut report).await;
     }
     let now = clock.now();
+    r.flush_counts(&mut report).await;
     let in_flight = r.in_flight(now, &mut report).await.unwrap_or(in_flight);
     let publish = r.publish(in_flight, now);
     report.window = r.window.limit(now);
@@ -463,6 +496,13 @@ struct Run<'a> {
     pause_until: Timestamp,
     /// The in.php pace's second was full: no sends before this.
     pace_until: Timestamp,
+    /// Queue counts moved since the last write (releases, requeues, timeouts), per lane: one
+    /// write a tick on the account's state item, not one per task.
+    moved: BTreeMap<String, i64>,
+    /// When the in-work index was last read, and the lease last renewed (at most once a tick
+    /// each, however many answers come in between).
+    looked_at: Option<Timestamp>,
+    renewed_at: Timestamp,
 }
 
 impl Run<'_> {
@@ -651,7 +691,7 @@ impl Run<'_> {
                 report.timed_out += 1;
                 metrics::counter!("submit_queue_timeouts").increment(1);
                 tracing::warn!(event = "queue_timeout", task_ref = %head.task_ref, waited_secs = waited.as_secs(), "queued too long; failed, never sent");
-                self.uncount(lane, report).await;
+                self.uncount(lane);
             }
             Ok(None) => {}
             Err(e) => {
@@ -662,10 +702,27 @@ impl Run<'_> {
         true
     }
 
-    async fn uncount(&self, lane: &str, report: &mut RunReport) {
-        if let Err(e) = self.deps.store.count_queued(lane, -1).await {
+    /// Counts a task out of `lane` (written with the tick's other moves, [`Self::flush_counts`]).
+    fn uncount(&mut self, lane: &str) {
+        *self.moved.entry(lane.to_owned()).or_default() -= 1;
+    }
+
+    /// Writes the counts moved since the last flush, in one write. Failed, they are kept for
+    /// the next one; a run that dies with some unwritten leaves its lanes counted too high,
+    /// which the queue reconciles (a lane whose index is empty for 10 s is set to 0) — tasks are
+    /// never unseen, only inline submits wait a little longer.
+    async fn flush_counts(&mut self, report: &mut RunReport) {
+        if self.moved.values().all(|d| *d == 0) {
+            self.moved.clear();
+            return;
+        }
+        let deltas: Vec<(String, i64)> = std::mem::take(&mut self.moved).into_iter().collect();
+        if let Err(e) = self.deps.store.count_queued_many(&deltas).await {
             report.errors += 1;
-            tracing::error!(event = "submitter_store_failed", error = %e, "could not count a task out of the queue");
+            tracing::error!(event = "submitter_store_failed", error = %e, "could not move the queue's counts");
+            for (lane, d) in deltas {
+                *self.moved.entry(lane).or_default() += d;
+            }
         }
     }
 
@@ -722,7 +779,7 @@ impl Run<'_> {
                     continue;
                 }
             };
-            self.uncount(&lane, report).await;
+            self.uncount(&lane);
             self.mine.insert(released.task.task_ref.clone(), now);
             self.released.insert(released.task.task_ref.clone());
             self.released_at.push_back(now);
@@ -820,22 +877,19 @@ impl Run<'_> {
     async fn requeue(&mut self, released: Released, report: &mut RunReport) {
         let Released { task, lane, queued_at, .. } = released;
         self.mine.remove(&task.task_ref);
-        if let Err(e) = self.deps.store.count_queued(&lane, 1).await {
-            report.errors += 1;
-            tracing::error!(event = "submitter_store_failed", error = %e, "could not count a task back in");
-        }
+        *self.moved.entry(lane.clone()).or_default() += 1;
         match self.deps.store.requeue(&task.task_ref, &lane, queued_at).await {
             Ok(true) => {
                 report.requeued += 1;
                 self.lanes.entry(lane).or_default().heads.push_front(QueuedRef { task_ref: task.task_ref, queued_at });
             }
-            Ok(false) => self.uncount(&lane, report).await,
+            Ok(false) => self.uncount(&lane),
             Err(e) => {
                 // It stays submitting without an outcome: the poller expires it at its
                 // deadline; nothing was taken by in.php, so nothing is lost but the task.
                 report.errors += 1;
                 tracing::error!(event = "submitter_store_failed", error = %e, "could not put a task back in the queue");
-                self.uncount(&lane, report).await;
+                self.uncount(&lane);
             }
         }
     }

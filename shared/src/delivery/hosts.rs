@@ -243,7 +243,7 @@ impl Gate {
         clock: &dyn Clock,
         s: &DeliverySettings,
     ) -> Option<Permit> {
-        let (tx, mut rx) = mpsc::unbounded_channel();
+        let (mut tx, mut rx) = mpsc::unbounded_channel();
         let key = {
             let mut st = self.lock();
             st.seq += 1;
@@ -281,6 +281,30 @@ impl Gate {
             match pick {
                 Ok(slot) => {
                     drop(place.take());
+                    // No longer waiting: close the channel before the store call, so a wake sent
+                    // meanwhile goes to the next in line (a permit is given back by its sender)
+                    // instead of sitting here unread — on a simulated clock its guard would stop
+                    // time while this call sleeps in the SDK's back-off.
+                    rx.close();
+                    let mut handed = None;
+                    while let Ok(w) = rx.try_recv() {
+                        if let Wake::Permit(p, _busy) = w
+                            && let Some(extra) = handed.replace(p)
+                        {
+                            self.release(extra, store, Signal::Neutral, clock, s).await;
+                        }
+                    }
+                    if let Some(mut p) = handed {
+                        // A slot was handed over before this one was taken: use it.
+                        self.lock().mine.remove(&slot);
+                        if p.not_before > latest_start {
+                            self.release(p, store, Signal::Neutral, clock, s).await;
+                            return None;
+                        }
+                        p.waited = true;
+                        return Some(p);
+                    }
+                    (tx, rx) = mpsc::unbounded_channel();
                     let until = now.plus(Self::lease(s));
                     let initial = INITIAL_LIMIT.min(s.per_host_concurrency);
                     match store.take_host_slot(&self.host, slot, now, until, initial).await {
@@ -317,6 +341,7 @@ impl Gate {
                         w = rx.recv() => match w {
                             Some(Wake::Permit(mut p, _busy)) => {
                                 drop(place.take());
+                                rx.close();
                                 if p.not_before > latest_start {
                                     // Its turn came too late: pass the slot on.
                                     self.release(p, store, Signal::Neutral, clock, s).await;
@@ -331,6 +356,7 @@ impl Gate {
                             if clock.now() >= latest_start {
                                 drop(place.take());
                                 // A slot handed over just now must not be lost with the channel.
+                                rx.close();
                                 while let Ok(w) = rx.try_recv() {
                                     if let Wake::Permit(p, _busy) = w {
                                         self.release(p, store, Signal::Neutral, clock, s).await;

@@ -95,7 +95,7 @@ pub trait Clock: Send + Sync + fmt::Debug {
     /// Marks work in progress that a simulated clock waits for before it moves. A no-op on the
     /// system clock.
     fn busy(&self) -> Busy {
-        Busy(None)
+        Busy(None, 0)
     }
 
     /// Whether time is simulated (moves only when told).
@@ -109,6 +109,33 @@ pub trait Clock: Send + Sync + fmt::Debug {
     /// that nothing is working. A no-op on the system clock.
     fn io(&self) -> Io {
         Io(None)
+    }
+
+    /// Marks the holder of a [`Busy`] guard as waiting on work that is itself on the clock (its
+    /// children: a join of spawned calls that sleep on the clock, hold guards of their own, and
+    /// wake it when they end). While the guard lives it counts as asleep, so a simulated clock
+    /// moves once every child sleeps — without it, a parent waiting on its children would hold
+    /// time still while they wait for time. A no-op on the system clock.
+    fn parked(&self) -> Parked {
+        Parked(None)
+    }
+}
+
+/// A [`Busy`] holder waiting on its children (see [`Clock::parked`]). Dropping it ends it.
+#[must_use = "the guard marks the wait only while it is alive"]
+pub struct Parked(Option<Arc<Sim>>);
+
+impl fmt::Debug for Parked {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(if self.0.is_some() { "Parked(sim)" } else { "Parked(noop)" })
+    }
+}
+
+impl Drop for Parked {
+    fn drop(&mut self) {
+        if let Some(sim) = self.0.take() {
+            sim.lock().parked -= 1;
+        }
     }
 }
 
@@ -151,7 +178,7 @@ impl Clock for SystemClock {
 
 /// Work in progress on a simulated clock (see the module docs). Dropping it ends the work.
 #[must_use = "the guard marks work only while it is alive"]
-pub struct Busy(Option<Arc<Sim>>);
+pub struct Busy(Option<Arc<Sim>>, u64);
 
 impl fmt::Debug for Busy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -162,7 +189,12 @@ impl fmt::Debug for Busy {
 impl Drop for Busy {
     fn drop(&mut self) {
         if let Some(sim) = self.0.take() {
-            sim.lock().busy -= 1;
+            let mut st = sim.lock();
+            st.busy -= 1;
+            if let Some(l) = st.live.as_mut() {
+                l.remove(&self.1);
+            }
+            drop(st);
             sim.changed.notify_waiters();
         }
     }
@@ -183,6 +215,15 @@ struct SimState {
     busy: usize,
     /// Live [`Io`] guards.
     io: usize,
+    /// Live [`Parked`] guards.
+    parked: usize,
+    /// Whether the creation sites of guards and sleeps are kept, for the report of a simulation
+    /// that stopped moving (`SIM_TRACE_BUSY` set when the clock was made).
+    trace: bool,
+    /// Where each live [`Busy`] guard and each sleep was made (only with `trace`).
+    live: Option<std::collections::HashMap<u64, std::backtrace::Backtrace>>,
+    sites: std::collections::HashMap<(u64, u64), std::backtrace::Backtrace>,
+    live_seq: u64,
 }
 
 struct Sim {
@@ -196,6 +237,10 @@ impl Sim {
         self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
+
+/// How long a simulation may stand still in real time before [`ManualClock::stuck_report`] is
+/// printed.
+const STUCK_AFTER: Duration = Duration::from_secs(60);
 
 /// A clock that only moves when told: [`set`](Self::set) and [`advance`](Self::advance) by
 /// hand, or [`run_until`](Self::run_until) as a discrete-event simulation. Shared by clones.
@@ -211,7 +256,11 @@ impl fmt::Debug for ManualClock {
 impl ManualClock {
     pub fn at(t: Timestamp) -> Self {
         Self(Arc::new(Sim {
-            state: Mutex::new(SimState { now: t.as_millis(), ..SimState::default() }),
+            state: Mutex::new(SimState {
+                now: t.as_millis(),
+                trace: std::env::var_os("SIM_TRACE_BUSY").is_some(),
+                ..SimState::default()
+            }),
             changed: tokio::sync::Notify::new(),
         }))
     }
@@ -244,12 +293,18 @@ impl ManualClock {
     /// Whether every [`Busy`] holder is asleep on this clock (nothing is working).
     pub fn is_quiet(&self) -> bool {
         let st = self.0.lock();
-        st.busy <= st.waiters.len()
+        st.busy <= st.waiters.len() + st.parked
     }
 
     /// Waits (in real time) until nothing is working.
     pub async fn quiesce(&self) {
+        let started = std::time::Instant::now();
+        let mut told = false;
         loop {
+            if !told && started.elapsed() > STUCK_AFTER {
+                told = true;
+                eprintln!("{}", self.stuck_report());
+            }
             let changed = self.0.changed.notified();
             if self.is_quiet() {
                 return;
@@ -258,6 +313,51 @@ impl ManualClock {
             // depend on it.
             let _ = tokio::time::timeout(Duration::from_millis(20), changed).await;
         }
+    }
+
+    /// Who holds time still: the guards at work and the sleeps, by where they were made (with
+    /// `SIM_TRACE_BUSY` set when the clock was made; else the counts only). Printed once when a
+    /// simulation has not moved for [`STUCK_AFTER`] of real time: a guard held while its holder
+    /// waits on something that is not the clock (an unread message, children not parked) stops
+    /// a simulated clock for good.
+    pub fn stuck_report(&self) -> String {
+        let st = self.0.lock();
+        let mut out = format!(
+            "the simulated clock has not moved for {} s of real time: {} guards at work, {} sleeps, {} parked, {} on real I/O",
+            STUCK_AFTER.as_secs(),
+            st.busy,
+            st.waiters.len(),
+            st.parked,
+            st.io
+        );
+        if !st.trace {
+            out.push_str(" (set SIM_TRACE_BUSY=1 to see where they were made)");
+            return out;
+        }
+        let ours = |bt: &std::backtrace::Backtrace| {
+            let text = bt.to_string();
+            text.lines()
+                .filter(|l| l.contains(" at ./") && !l.contains("shared/time/src") && !l.contains("/sysdeps/"))
+                .take(5)
+                .map(|l| l.trim().trim_start_matches("at ./").to_owned())
+                .collect::<Vec<_>>()
+                .join(" < ")
+        };
+        let mut at_work: BTreeMap<String, usize> = BTreeMap::new();
+        for bt in st.live.iter().flat_map(|l| l.values()) {
+            *at_work.entry(ours(bt)).or_default() += 1;
+        }
+        let mut asleep: BTreeMap<String, usize> = BTreeMap::new();
+        for key in st.waiters.keys() {
+            *asleep.entry(st.sites.get(key).map(ours).unwrap_or_default()).or_default() += 1;
+        }
+        for (title, groups) in [("guards", at_work), ("sleeps", asleep)] {
+            out.push_str(&format!("\n{title}:"));
+            for (site, n) in groups {
+                out.push_str(&format!("\n  {n:>4} {site}"));
+            }
+        }
+        out
     }
 
     /// Waits (in real time) until nothing is working, looking twice a moment apart while
@@ -325,6 +425,13 @@ impl Future for ManualSleep {
                 (self.at, st.seq)
             }
         };
+        if st.trace && self.key.is_none() {
+            if st.sites.len() > 2 * st.waiters.len() + 1_000 {
+                let SimState { sites, waiters, .. } = &mut *st;
+                sites.retain(|k, _| waiters.contains_key(k));
+            }
+            st.sites.insert(key, std::backtrace::Backtrace::force_capture());
+        }
         st.waiters.insert(key, Waiter { waker: cx.waker().clone(), fired: self.fired.clone() });
         let new = self.key.is_none();
         drop(st);
@@ -362,8 +469,15 @@ impl Clock for ManualClock {
     }
 
     fn busy(&self) -> Busy {
-        self.0.lock().busy += 1;
-        Busy(Some(self.0.clone()))
+        let mut st = self.0.lock();
+        st.busy += 1;
+        st.live_seq += 1;
+        let id = st.live_seq;
+        if st.trace {
+            st.live.get_or_insert_with(Default::default).insert(id, std::backtrace::Backtrace::force_capture());
+        }
+        drop(st);
+        Busy(Some(self.0.clone()), id)
     }
 
     fn is_simulated(&self) -> bool {
@@ -373,6 +487,12 @@ impl Clock for ManualClock {
     fn io(&self) -> Io {
         self.0.lock().io += 1;
         Io(Some(self.0.clone()))
+    }
+
+    fn parked(&self) -> Parked {
+        self.0.lock().parked += 1;
+        self.0.changed.notify_waiters();
+        Parked(Some(self.0.clone()))
     }
 }
 

@@ -350,6 +350,7 @@ async fn handlers(auth: relay_shared::http::Authorizer) -> anyhow::Result<Handle
         waker: Arc::new(relay_shared::submit::NotifyWaker::default()),
         relay_keys: relay_shared::store::RelayKeys::new(None),
         compat: relay_api::compat::CompatState::default(),
+        admission: Default::default(),
         delivery_policy: relay_shared::webhook::UrlPolicy::PublicHttps,
     };
     let callback =

@@ -124,6 +124,7 @@ fn api() -> &'static ApiWorld {
                 relay_keys: relay_shared::store::RelayKeys::new(None)
                     .with_fixed("fuzz", &SecretString::from(COMPAT_KEY.to_owned())),
                 compat: relay_api::compat::CompatState::default(),
+                admission: Default::default(),
                 delivery_policy: relay_shared::webhook::UrlPolicy::PublicHttps,
             };
             ApiWorld { _db: db, _fake: fake, deps }

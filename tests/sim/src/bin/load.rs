@@ -1,8 +1,8 @@
 //! `load`: the whole relay path at a steady rate on the simulated clock, against the embedded
 //! DynamoDB engine behind a model of its per-partition limits (tests/sim/LOAD.md).
 //!
-//!   cargo run --release -p relay-sim --bin load                          # 80 tasks/s, one hour
-//!   cargo run --release -p relay-sim --bin load -- --rate 40 --seconds 120
+//!   cargo run --profile sim -p relay-sim --bin load                      # 150 tasks/s, one hour
+//!   cargo run --profile sim -p relay-sim --bin load -- --rate 40 --seconds 120
 //!
 //! Prints the figures, writes them to target/load-report.md, and exits 1 if a guarantee broke
 //! (a task not final, a result lost, a task paid twice, a push owed, a partition key over its
@@ -20,8 +20,7 @@ use relay_sim::load::{LoadConfig, run};
 #[derive(Parser)]
 #[command(about = "The relay's whole path under load, with DynamoDB's per-partition limits modelled")]
 struct Args {
-    /// Tasks submitted per simulated second (default: 4/5 of the most in.php pace the relay
-    /// allows, MAX_SUBMITS_PER_SECOND).
+    /// Tasks submitted per simulated second (default: 150, 10 x the old 15/s submit clamp).
     #[arg(long)]
     rate: Option<u32>,
     /// Simulated seconds of submits.
@@ -49,7 +48,7 @@ struct Args {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<std::process::ExitCode> {
     let args = Args::parse();
-    let rate = args.rate.unwrap_or(relay_shared::submit::MAX_SUBMITS_PER_SECOND * 4 / 5);
+    let rate = args.rate.unwrap_or(relay_sim::load::FULL_RATE);
     let mut cfg = LoadConfig::scaled(rate, Duration::from_secs(args.seconds));
     cfg.drain = Duration::from_secs(args.drain);
     cfg.drop_callbacks = args.drop;
