@@ -2,7 +2,7 @@
 //! and `/in.php`, the submitter's release, pingbacks with a share dropped, the poller, a
 //! dead-letter → redrive episode, pushes to an owner receiver — at a steady rate on the simulated
 //! clock, against the embedded engine behind the model of DynamoDB's per-partition limits, with a
-//! throttling burst in the middle. The documented run is `cargo run --release -p relay-sim --bin
+//! throttling burst in the middle. The documented run is `cargo run --profile sim -p relay-sim --bin
 //! load` (tests/sim/LOAD.md).
 
 use relay_sim::load::{LoadConfig, run};
