@@ -608,11 +608,7 @@ async fn pass(
                             break;
                         }
                         report.res_php_requests += 1;
-                        let permit = {
-                            // Waiting for a read in flight to end (it may sleep on the clock).
-                            let _parked = clock.parked();
-                            sem.clone().acquire_owned().await.ok()
-                        };
+                        let permit = sem.clone().acquire_owned().await.ok();
                         let (deps, clock2, shared) = (deps.clone(), clock.clone(), shared.clone());
                         let busy = clock.busy();
                         inflight.spawn(async move {
@@ -634,8 +630,6 @@ async fn pass(
         }
     }
     report.errors += stream.errors;
-    // The reads hold guards of their own and may sleep on the clock (the SDK's back-off).
-    let parked = clock.parked();
     while let Some(done) = inflight.join_next().await {
         match done {
             Ok(applied) => applied.into_iter().for_each(|a| report.add(a)),
@@ -646,7 +640,6 @@ async fn pass(
             }
         }
     }
-    drop(parked);
     if let Some(until) = shared.open_at(clock.now()) {
         report.breaker_open = true;
         return Some(until);
@@ -694,11 +687,7 @@ async fn start_batch(
         return false;
     }
     report.res_php_requests += 1;
-    let permit = {
-        // Waiting for a read in flight to end (it may sleep on the clock).
-        let _parked = clock.parked();
-        sem.clone().acquire_owned().await.ok()
-    };
+    let permit = sem.clone().acquire_owned().await.ok();
     let (deps, clock2, shared) = (deps.clone(), clock.clone(), shared.clone());
     let busy = clock.busy();
     inflight.spawn(async move {

@@ -386,14 +386,8 @@ pub async fn run(
             }
         }
     }
-    // The answers still owed (each call ends within the in.php timeout; the calls hold guards
-    // of their own).
-    loop {
-        let next = {
-            let _parked = clock.parked();
-            calls.join_next().await
-        };
-        let Some(done) = next else { break };
+    // The answers still owed (each call ends within the in.php timeout).
+    while let Some(done) = calls.join_next().await {
         r.answered(done, &mut report).await;
     }
     let now = clock.now();
