@@ -60,7 +60,10 @@ async fn a_backlog_after_a_ten_minute_callback_outage_is_drained_without_stalls_
     let f = w.figures().await?;
     println!("{}", f.table("backlog: 5,000 tasks during a 10-minute callback outage, batching off"));
     assert_eq!((f.tasks, f.lost, f.open, f.expired), (5_000, 0, 0, 0), "{}", f.table("failed"));
-    assert_eq!(f.by_poll, 5_000, "every one recovered by the poller");
+    // Every lost pingback's result recovered by the poller; the few tasks solved after the
+    // callbacks came back (submitted in the outage's last seconds) may arrive by pingback first.
+    assert_eq!(f.by_poll + f.by_callback, 5_000, "every one recovered");
+    assert!(f.by_callback <= 50, "only tasks solved after the outage come by pingback: {}", f.by_callback);
     assert_eq!(f.over_deadline, 0, "no invocation ran past its deadline");
     assert!(f.max_reads() <= 20, "per-task budget: {}", f.max_reads());
     assert_eq!((f.bans, f.requests_during_ban), (0, 0), "never banned");
