@@ -337,10 +337,10 @@ mod tests {
         let s = QueueSettings::from_settings(&Settings::from_pairs([("CAPTCHAAI_THREADS", "20")])).expect("valid");
         assert_eq!(s.window.threads, Some(20));
         let big =
-            QueueSettings::from_settings(&Settings::from_pairs([("SUBMITS_PER_SECOND", "100")])).expect("a big plan");
-        assert_eq!(big.submits_per_second, 100);
+            QueueSettings::from_settings(&Settings::from_pairs([("SUBMITS_PER_SECOND", "250")])).expect("a big plan");
+        assert_eq!(big.submits_per_second, MAX_SUBMITS_PER_SECOND);
         for (name, v) in [
-            ("SUBMITS_PER_SECOND", "101"),
+            ("SUBMITS_PER_SECOND", "251"),
             ("SUBMITS_PER_SECOND", "0"),
             ("SUBMIT_NO_SLOT_PER_MINUTE", "120"),
             ("QUEUE_MAX_WAIT_SECS", "1"),
