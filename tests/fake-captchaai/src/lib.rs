@@ -585,10 +585,6 @@ async fn dispatch_pingbacks(shared: Shared, mut stop: tokio::sync::watch::Receiv
         let mut sends = tokio::task::JoinSet::new();
         for (id, url, code, mode) in due {
             let (http, shared) = (shared.http.clone(), shared.clone());
-            // Each pingback is work until its answer: the relay's handler may sleep on the clock
-            // (the SDK's back-off of a failing write), and that sleep is this send's, not a spare
-            // one that would let the clock move while other work runs.
-            let busy = shared.clock.busy();
             sends.spawn(async move {
                 let status = send_pingback(&http, &url, mode, id, &code).await.unwrap_or(0);
                 let mut g = shared.lock();
@@ -599,25 +595,9 @@ async fn dispatch_pingbacks(shared: Shared, mut stop: tokio::sync::watch::Receiv
                 if let Some(t) = g.tasks.get_mut(&id) {
                     t.callback_statuses.push(status);
                 }
-                // Handed back with the answer: held until this loop has taken it in.
-                busy
             });
         }
-        // The sends hold their own guards (returned with their answers): waiting for them is
-        // not work, taking an answer in is.
-        while !sends.is_empty() {
-            let done = match sends.try_join_next() {
-                Some(d) => d,
-                None => {
-                    let _parked = shared.clock.parked();
-                    match sends.join_next().await {
-                        Some(d) => d,
-                        None => break,
-                    }
-                }
-            };
-            drop(done);
-        }
+        while sends.join_next().await.is_some() {}
         let next = {
             let g = shared.lock();
             g.pingbacks.peek().map(|Due(std::cmp::Reverse((t, _, _)))| *t)
