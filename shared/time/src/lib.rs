@@ -110,33 +110,6 @@ pub trait Clock: Send + Sync + fmt::Debug {
     fn io(&self) -> Io {
         Io(None)
     }
-
-    /// Marks the holder of a [`Busy`] guard as waiting on work that is itself on the clock (its
-    /// children: a join of spawned calls that sleep on the clock, hold guards of their own, and
-    /// wake it when they end). While the guard lives it counts as asleep, so a simulated clock
-    /// moves once every child sleeps — without it, a parent waiting on its children would hold
-    /// time still while they wait for time. A no-op on the system clock.
-    fn parked(&self) -> Parked {
-        Parked(None)
-    }
-}
-
-/// A [`Busy`] holder waiting on its children (see [`Clock::parked`]). Dropping it ends it.
-#[must_use = "the guard marks the wait only while it is alive"]
-pub struct Parked(Option<Arc<Sim>>);
-
-impl fmt::Debug for Parked {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(if self.0.is_some() { "Parked(sim)" } else { "Parked(noop)" })
-    }
-}
-
-impl Drop for Parked {
-    fn drop(&mut self) {
-        if let Some(sim) = self.0.take() {
-            sim.lock().parked -= 1;
-        }
-    }
 }
 
 /// A request in flight on real I/O (see [`Clock::io`]). Dropping it ends it.
@@ -215,8 +188,6 @@ struct SimState {
     busy: usize,
     /// Live [`Io`] guards.
     io: usize,
-    /// Live [`Parked`] guards.
-    parked: usize,
     /// Whether the creation sites of guards and sleeps are kept, for the report of a simulation
     /// that stopped moving (`SIM_TRACE_BUSY` set when the clock was made).
     trace: bool,
@@ -293,7 +264,7 @@ impl ManualClock {
     /// Whether every [`Busy`] holder is asleep on this clock (nothing is working).
     pub fn is_quiet(&self) -> bool {
         let st = self.0.lock();
-        st.busy <= st.waiters.len() + st.parked
+        st.busy <= st.waiters.len()
     }
 
     /// Waits (in real time) until nothing is working.
@@ -318,16 +289,15 @@ impl ManualClock {
     /// Who holds time still: the guards at work and the sleeps, by where they were made (with
     /// `SIM_TRACE_BUSY` set when the clock was made; else the counts only). Printed once when a
     /// simulation has not moved for [`STUCK_AFTER`] of real time: a guard held while its holder
-    /// waits on something that is not the clock (an unread message, children not parked) stops
+    /// waits on something that is not the clock (an unread message, children it joins) stops
     /// a simulated clock for good.
     pub fn stuck_report(&self) -> String {
         let st = self.0.lock();
         let mut out = format!(
-            "the simulated clock has not moved for {} s of real time: {} guards at work, {} sleeps, {} parked, {} on real I/O",
+            "the simulated clock has not moved for {} s of real time: {} guards at work, {} sleeps, {} on real I/O",
             STUCK_AFTER.as_secs(),
             st.busy,
             st.waiters.len(),
-            st.parked,
             st.io
         );
         if !st.trace {
@@ -487,12 +457,6 @@ impl Clock for ManualClock {
     fn io(&self) -> Io {
         self.0.lock().io += 1;
         Io(Some(self.0.clone()))
-    }
-
-    fn parked(&self) -> Parked {
-        self.0.lock().parked += 1;
-        self.0.changed.notify_waiters();
-        Parked(Some(self.0.clone()))
     }
 }
 
