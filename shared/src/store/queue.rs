@@ -789,7 +789,8 @@ impl TaskStore {
     }
 
     /// Takes or renews the submitter's lease until `until` (free, lapsed or already `me`'s),
-    /// publishing what it knows. `None`: another submitter holds it.
+    /// publishing what it knows; the state after it, its counts summed over every count item
+    /// in use. `None`: another submitter holds it.
     pub async fn releaser_lease(
         &self,
         me: &str,
@@ -818,7 +819,15 @@ impl TaskStore {
             .await;
         match res {
             Ok(out) => {
-                Ok(Some(out.attributes.as_ref().map_or_else(|| Ok(SubmitState::default()), SubmitState::from_item)?))
+                let item = out.attributes.unwrap_or_default();
+                let mut st = SubmitState::from_item(&item)?;
+                // The renewal returns the state item; the other count items are read to add
+                // theirs (one more read a tick, only with `QUEUE_SHARDS` > 1).
+                if self.queue_shards > 1 {
+                    let others = self.count_items(1..self.queue_shards).await?;
+                    st.add_elsewhere(raw_counts(&item).0, &others);
+                }
+                Ok(Some(st))
             }
             Err(e) if refused_item(&e).is_some() => Ok(None),
             Err(e) => Err(sdk_error(e)),
@@ -1154,6 +1163,9 @@ mod tests {
         assert_eq!((st.api_no_slots, st.permits), (1, Some(0)), "a no-slot answer reaches the state item");
         assert_eq!(st.lanes_here.get(LANE), Some(&2));
         assert_eq!(st.lanes_elsewhere.get(LANE), Some(&6));
+        // The submitter's lease renewal answers with the same sums (its view between reads).
+        let leased = store.releaser_lease("s", t(1), t(11), None).await?.expect("the lease is free");
+        assert_eq!((leased.queued, leased.lanes.clone()), (st.queued, st.lanes.clone()));
         // The submitter's moves of a tick: one write per item touched.
         store.count_queued_many(&[((1, LANE.into()), -2), ((2, LANE.into()), -1), ((3, other.into()), -1)]).await?;
         let st = store.submit_state().await?;
