@@ -214,15 +214,22 @@ fn unavailable(code: &str, message: impl Into<String>, retry_after: Duration, re
     with_header(json(503, &body), "retry-after", &retry_after.as_secs().max(1).to_string())
 }
 
+/// The store failed (throttled, most likely, when it fails for many at once): "try again", in 5
+/// to 15 s. Spread, so the clients refused during a throttled minute do not all return in the
+/// same second after it and throttle it again (docs/capacity.md).
 fn store_unavailable(e: &relay_shared::store::StoreError) -> Response<Body> {
     tracing::error!(event = "store_failed", error = %e, retryable = e.is_retryable(), "task store call failed");
     unavailable(
         "store_unavailable",
         "the task store is unavailable; nothing was sent to CaptchaAI, so trying again is safe",
-        Duration::from_secs(5),
+        relay_shared::retry::spread(STORE_RETRY_AFTER, STORE_RETRY_SPREAD, relay_shared::retry::unit_random()),
         true,
     )
 }
+
+/// The least a client told "store unavailable" waits, and the window over which they spread.
+const STORE_RETRY_AFTER: Duration = Duration::from_secs(5);
+const STORE_RETRY_SPREAD: Duration = Duration::from_secs(10);
 
 /// Answers a submit whose key was used before: the task as it is now, or 422 for another body.
 fn replay(task: &Task, stored: Option<&str>, fingerprint: &str, now: Timestamp) -> Response<Body> {
@@ -771,6 +778,20 @@ mod tests {
 
     const KEY: &str = "owner-api-key";
     const COMPAT_KEY: &str = "0123456789abcdef0123456789abcdef";
+
+    #[test]
+    fn clients_told_the_store_is_unavailable_come_back_spread_over_5_to_15_s() {
+        let e = relay_shared::store::StoreError::Unavailable("throttled".into());
+        let waits: std::collections::BTreeSet<u64> = (0..200)
+            .map(|_| {
+                let r = store_unavailable(&e);
+                assert_eq!(r.status(), 503);
+                r.headers()["retry-after"].to_str().ok().and_then(|v| v.parse().ok()).unwrap_or(0)
+            })
+            .collect();
+        assert!(waits.iter().all(|w| (5..=15).contains(w)), "{waits:?}");
+        assert!(waits.len() >= 5, "spread, not one second for all: {waits:?}");
+    }
 
     struct World {
         _db: LocalDynamo,

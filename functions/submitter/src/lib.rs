@@ -642,7 +642,8 @@ impl Run<'_> {
     }
 
     /// Lanes the index lists tasks in while their count says none (a count lost to a crash):
-    /// counted again, so their tasks are released. Once per run.
+    /// counted again, so their tasks are released; and tasks listed on index shards a lowered
+    /// `QUEUE_SHARDS` no longer reads: moved to theirs. Once per run.
     async fn reconcile_lost_lanes(&mut self, state: &SubmitState, report: &mut RunReport) {
         let listed = match self.deps.store.queued_lanes().await {
             Ok(l) => l,
@@ -652,7 +653,24 @@ impl Run<'_> {
                 return;
             }
         };
-        for (lane, n) in listed {
+        let shards = self.deps.store.queue_shards();
+        let mut per_lane: BTreeMap<String, u64> = BTreeMap::new();
+        for ((lane, shard), n) in listed {
+            *per_lane.entry(lane.clone()).or_default() += n;
+            if shard >= shards {
+                match self.deps.store.rehome_queued(&lane, shard).await {
+                    Ok(moved) => {
+                        report.reconciled += 1;
+                        tracing::warn!(event = "queue_count_reconciled", lane = %lane, shard, moved, "queued tasks on a shard beyond QUEUE_SHARDS moved to theirs");
+                    }
+                    Err(e) => {
+                        report.errors += 1;
+                        tracing::error!(event = "submitter_store_failed", error = %e);
+                    }
+                }
+            }
+        }
+        for (lane, n) in per_lane {
             if state.lanes.get(&lane).copied().unwrap_or(0) == 0 {
                 match self.deps.store.reconcile_lane(&lane, state, n).await {
                     Ok(true) => {

@@ -43,9 +43,23 @@ fn ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
-/// The index key of a task waiting in `lane`.
-pub fn queued_key(lane: &str) -> String {
-    format!("q#{lane}")
+/// The index key of a task waiting in `lane`, on its queue shard (`QUEUE_SHARDS`): `q#<lane>`
+/// on shard 0, `q#<lane>#<shard>` on the others — a lane's admissions spread over that many
+/// index keys as its counts do over the count items.
+pub fn queued_key(lane: &str, shard: u8) -> String {
+    if shard == 0 { format!("q#{lane}") } else { format!("q#{lane}#{shard}") }
+}
+
+/// The lane and shard of a queued index key (`None`: not a queued key).
+pub fn lane_of_key(key: &str) -> Option<(&str, u8)> {
+    let rest = key.strip_prefix("q#")?;
+    Some(match rest.rsplit_once('#') {
+        Some((lane, shard)) => match shard.parse() {
+            Ok(k) => (lane, k),
+            Err(_) => (rest, 0),
+        },
+        None => (rest, 0),
+    })
 }
 
 /// The index key of a task in work: spread like the other sparse indexes, over the store's
@@ -483,7 +497,7 @@ impl TaskStore {
         let extra: Item = [
             ("queued_at", n(queued_at.as_millis())),
             ("q_lane", s(lane)),
-            ("sq_key", s(&queued_key(lane))),
+            ("sq_key", s(&queued_key(lane, self.queue_shard(&task.task_ref)))),
             ("sq_at", n(queued_at.as_millis())),
             ("sq_req", s(&json)),
             ("sq_pingback", s(pingback)),
@@ -496,15 +510,27 @@ impl TaskStore {
         self.put_new(task, None, fingerprint, extra).await
     }
 
-    /// The oldest tasks waiting in `lane` (up to `limit`).
+    /// The oldest tasks waiting in `lane` (up to `limit`), over its index keys (one Query each,
+    /// at once, merged oldest first).
     pub async fn queue_heads(&self, lane: &str, limit: i32) -> Result<Vec<QueuedRef>, StoreError> {
+        let queries = (0..self.queue_shards.max(1)).map(|k| self.queue_heads_on(queued_key(lane, k), limit));
+        let mut all = Vec::new();
+        for part in futures_util::future::join_all(queries).await {
+            all.extend(part?);
+        }
+        all.sort_by(|a, b| a.queued_at.cmp(&b.queued_at).then_with(|| a.task_ref.as_ref().cmp(b.task_ref.as_ref())));
+        all.truncate(usize::try_from(limit).unwrap_or(0));
+        Ok(all)
+    }
+
+    async fn queue_heads_on(&self, key: String, limit: i32) -> Result<Vec<QueuedRef>, StoreError> {
         let out = self
             .client
             .query()
             .table_name(&self.table)
             .index_name(QUEUE_INDEX)
             .key_condition_expression("sq_key = :k")
-            .expression_attribute_values(":k", s(&queued_key(lane)))
+            .expression_attribute_values(":k", s(&key))
             .limit(limit)
             .send()
             .await
@@ -523,25 +549,30 @@ impl TaskStore {
     /// How many tasks wait in `lane` ahead of one queued at `queued_at` (at most `cap` are
     /// counted).
     pub async fn queue_ahead(&self, lane: &str, queued_at: Timestamp, cap: i32) -> Result<u64, StoreError> {
-        let out = self
-            .client
-            .query()
-            .table_name(&self.table)
-            .index_name(QUEUE_INDEX)
-            .key_condition_expression("sq_key = :k AND sq_at < :at")
-            .expression_attribute_values(":k", s(&queued_key(lane)))
-            .expression_attribute_values(":at", n(queued_at.as_millis()))
-            .select(Select::Count)
-            .limit(cap)
-            .send()
-            .await
-            .map_err(sdk_error)?;
-        Ok(u64::try_from(out.count).unwrap_or(0))
+        let mut ahead = 0u64;
+        for k in 0..self.queue_shards.max(1) {
+            let out = self
+                .client
+                .query()
+                .table_name(&self.table)
+                .index_name(QUEUE_INDEX)
+                .key_condition_expression("sq_key = :k AND sq_at < :at")
+                .expression_attribute_values(":k", s(&queued_key(lane, k)))
+                .expression_attribute_values(":at", n(queued_at.as_millis()))
+                .select(Select::Count)
+                .limit(cap)
+                .send()
+                .await
+                .map_err(sdk_error)?;
+            ahead += u64::try_from(out.count).unwrap_or(0);
+        }
+        Ok(ahead.min(u64::try_from(cap).unwrap_or(0)))
     }
 
-    /// Every lane the index lists a queued task in (a Scan of the keys-only index: the safety
-    /// net for a lane whose count was lost).
-    pub async fn queued_lanes(&self) -> Result<BTreeMap<String, u64>, StoreError> {
+    /// Every lane the index lists a queued task in, by lane and index shard (a Scan of the
+    /// keys-only index: the safety net for a lane whose count was lost, and for tasks on shards
+    /// a lowered `QUEUE_SHARDS` no longer reads).
+    pub async fn queued_lanes(&self) -> Result<BTreeMap<(String, u8), u64>, StoreError> {
         let mut lanes = BTreeMap::new();
         let mut start = None;
         loop {
@@ -557,8 +588,8 @@ impl TaskStore {
                 .await
                 .map_err(sdk_error)?;
             for item in out.items() {
-                if let Some(lane) = get_s(item, "sq_key")?.and_then(|k| k.strip_prefix("q#")) {
-                    *lanes.entry(lane.to_owned()).or_insert(0) += 1;
+                if let Some((lane, shard)) = get_s(item, "sq_key")?.and_then(lane_of_key) {
+                    *lanes.entry((lane.to_owned(), shard)).or_insert(0) += 1;
                 }
             }
             match out.last_evaluated_key.filter(|k| !k.is_empty()) {
@@ -566,6 +597,38 @@ impl TaskStore {
                 None => return Ok(lanes),
             }
         }
+    }
+
+    /// Moves the tasks queued under `lane`'s index key of `shard` — one a lowered
+    /// `QUEUE_SHARDS` no longer reads — to their shards now, keeping their place (`sq_at`). How
+    /// many moved.
+    pub async fn rehome_queued(&self, lane: &str, shard: u8) -> Result<u64, StoreError> {
+        let old = queued_key(lane, shard);
+        let mut moved = 0;
+        // Bounded: an index that lags its table could list a moved task again for a moment.
+        for _ in 0..1_000 {
+            let heads = self.queue_heads_on(old.clone(), 100).await?;
+            if heads.is_empty() {
+                return Ok(moved);
+            }
+            for h in heads {
+                let res = self
+                    .client
+                    .update_item()
+                    .table_name(&self.table)
+                    .key(attr::PK, s(h.task_ref.as_ref()))
+                    .update_expression("SET sq_key = :new")
+                    .condition_expression("sq_key = :old")
+                    .expression_attribute_values(":new", s(&queued_key(lane, self.queue_shard(&h.task_ref))))
+                    .expression_attribute_values(":old", s(&old))
+                    .send()
+                    .await;
+                if condition_held(res)? {
+                    moved += 1;
+                }
+            }
+        }
+        Ok(moved)
     }
 
     /// Sets `lane`'s count in all to `actual` (a count left too high by a crash, or lost), as
@@ -656,7 +719,7 @@ impl TaskStore {
             .expression_attribute_values(":submitting", s("submitting"))
             .expression_attribute_values(":at", n(queued_at.as_millis()))
             .expression_attribute_values(":lane", s(lane))
-            .expression_attribute_values(":q", s(&queued_key(lane)))
+            .expression_attribute_values(":q", s(&queued_key(lane, self.queue_shard(task_ref))))
             .send()
             .await;
         condition_held(res)
@@ -693,7 +756,7 @@ impl TaskStore {
             .expression_attribute_values(":submitting", s("submitting"))
             .expression_attribute_values(":at", n(queued_at.as_millis()))
             .expression_attribute_values(":lane", s(lane))
-            .expression_attribute_values(":q", s(&queued_key(lane)))
+            .expression_attribute_values(":q", s(&queued_key(lane, self.queue_shard(task_ref))))
             .expression_attribute_values(":req", s(&json))
             .expression_attribute_values(":pb", s(pingback))
             .expression_attribute_values(":busy", n(ms(task.kind.busy_for())))
@@ -1122,9 +1185,9 @@ mod tests {
         let lost = Task::queued(TaskRef::generate(), CaptchaKind::Image, t(2), "1111111111111111.i".into());
         store.create_queued(&lost, &turnstile(), "https://relay/cb", Duration::from_secs(110), None).await?;
         let listed = store.queued_lanes().await?;
-        assert_eq!(listed.get(LANE), Some(&1));
-        assert_eq!(listed.get("1111111111111111.i"), Some(&1));
-        assert_eq!(listed.get("0000000000000000.t"), None);
+        assert_eq!(listed.get(&(LANE.to_owned(), 0)), Some(&1));
+        assert_eq!(listed.get(&("1111111111111111.i".to_owned(), 0)), Some(&1));
+        assert_eq!(listed.len(), 2, "{listed:?}");
         let seen = store.submit_state().await?;
         assert!(store.reconcile_lane("0000000000000000.t", &seen, 0).await?);
         assert!(store.reconcile_lane("1111111111111111.i", &seen, 1).await?);
@@ -1133,6 +1196,48 @@ mod tests {
         let st = store.submit_state().await?;
         assert_eq!(st.queued, 2);
         assert_eq!(st.lanes.keys().cloned().collect::<Vec<_>>(), vec![LANE.to_owned(), "1111111111111111.i".into()]);
+        Ok(())
+    }
+
+    #[test]
+    fn queued_index_keys_name_their_lane_and_shard() {
+        assert_eq!(queued_key(LANE, 0), format!("q#{LANE}"));
+        assert_eq!(queued_key(LANE, 3), format!("q#{LANE}#3"));
+        for k in [0u8, 3, 31] {
+            assert_eq!(lane_of_key(&queued_key(LANE, k)), Some((LANE, k)));
+        }
+        assert_eq!(lane_of_key("w#3"), None);
+        assert_eq!(lane_of_key("q#odd#lane"), Some(("odd#lane", 0)), "a suffix that is no shard stays in the lane");
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_lane_spread_over_index_keys_is_read_oldest_first_and_a_lowered_count_moves_its_tasks()
+    -> anyhow::Result<()> {
+        let db = LocalDynamo::start().await?;
+        let store = db.fresh_store().await?.with_queue_shards(4);
+        let mut made = Vec::new();
+        for at in 1..=12u64 {
+            let task = Task::queued(TaskRef::generate(), CaptchaKind::Turnstile, t(at), LANE.into());
+            store.create_queued(&task, &turnstile(), "https://relay/cb", Duration::from_secs(110), None).await?;
+            made.push(task.task_ref);
+        }
+        let listed = store.queued_lanes().await?;
+        assert!(listed.len() > 1, "12 tasks over 4 index keys: {listed:?}");
+        assert_eq!(listed.values().sum::<u64>(), 12);
+        let heads: Vec<TaskRef> = store.queue_heads(LANE, 5).await?.into_iter().map(|h| h.task_ref).collect();
+        assert_eq!(heads, made[..5], "oldest first across the keys");
+        assert_eq!(store.queue_ahead(LANE, t(8), 100).await?, 7);
+        assert_eq!(store.queue_ahead(LANE, t(8), 3).await?, 3, "capped");
+        // Lowered to 1: the index keys beyond it are moved back, in their places.
+        let one = store.clone().with_queue_shards(1);
+        let stray: Vec<u8> = listed.keys().map(|(_, k)| *k).filter(|k| *k > 0).collect();
+        let mut moved = 0;
+        for k in stray {
+            moved += one.rehome_queued(LANE, k).await?;
+        }
+        assert_eq!(moved, 12 - listed.get(&(LANE.to_owned(), 0)).copied().unwrap_or(0));
+        let heads: Vec<TaskRef> = one.queue_heads(LANE, 20).await?.into_iter().map(|h| h.task_ref).collect();
+        assert_eq!(heads, made, "every task on the one key left, oldest first");
         Ok(())
     }
 
