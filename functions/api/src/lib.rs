@@ -369,7 +369,7 @@ pub(crate) async fn submit_task(req: &Request, deps: &Deps, input: SubmitInput) 
                 Ok(Permit::Taken) => None,
                 Ok(Permit::Refused(state)) => {
                     deps.admission.saw(&state, now);
-                    Some(Some(state))
+                    Some(Some(*state))
                 }
                 Err(e) => return Submitted::Store(e),
             }
@@ -511,7 +511,7 @@ async fn enqueue(
     let state =
         match deps.store.reserve_queue(&lane, shard, deps.queue.max_per_owner, deps.queue.max_total, false).await {
             Ok(Reserved::Yes(counted)) => {
-                let state = state_item(deps, shard, counted, known, now);
+                let state = state_item(deps, shard, *counted, known, now);
                 if let Some(open) = state.as_ref().and_then(|st| key_rejected(st, now)) {
                     // Seen only now when the permit was skipped on the hint.
                     uncount(deps, &lane, shard).await;
@@ -589,7 +589,7 @@ async fn queue_unsent(
     let shard = deps.store.queue_shard(&task.task_ref);
     let state =
         match deps.store.reserve_queue(&lane, shard, deps.queue.max_per_owner, deps.queue.max_total, no_slot).await {
-            Ok(Reserved::Yes(counted)) => state_item(deps, shard, counted, None, now),
+            Ok(Reserved::Yes(counted)) => state_item(deps, shard, *counted, None, now),
             Ok(Reserved::Full { owner, depth, bound }) => {
                 let err = CaptchaAiError::Code(
                     relay_shared::codes::ErrorCode::parse("ERROR_NO_SLOT_AVAILABLE").expect("a valid code"),

@@ -192,14 +192,14 @@ pub enum Permit {
     Taken,
     /// Not taken (the queue is not empty, no permit is left, or the breaker is open); the
     /// state as it stands.
-    Refused(SubmitState),
+    Refused(Box<SubmitState>),
 }
 
 /// What a queue reservation found.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Reserved {
     /// Counted in: put the task in the queue. The state after the reservation.
-    Yes(SubmitState),
+    Yes(Box<SubmitState>),
     /// The queue is full: `owner` (its owner's lane is at its bound) or in all.
     Full { owner: bool, depth: u64, bound: u64 },
 }
@@ -332,9 +332,9 @@ impl TaskStore {
         match res {
             Ok(_) => Ok(Permit::Taken),
             Err(e) => match refused_item(&e) {
-                Some(old) => {
-                    Ok(Permit::Refused(old.map_or_else(|| Ok(SubmitState::default()), SubmitState::from_item)?))
-                }
+                Some(old) => Ok(Permit::Refused(Box::new(
+                    old.map_or_else(|| Ok(SubmitState::default()), SubmitState::from_item)?,
+                ))),
                 None => Err(sdk_error(e)),
             },
         }
@@ -411,9 +411,9 @@ impl TaskStore {
             .send()
             .await;
         match res {
-            Ok(out) => Ok(Reserved::Yes(
+            Ok(out) => Ok(Reserved::Yes(Box::new(
                 out.attributes.as_ref().map_or_else(|| Ok(SubmitState::default()), SubmitState::from_item)?,
-            )),
+            ))),
             Err(e) => match refused_item(&e) {
                 Some(old) => {
                     let st = old.map_or_else(|| Ok(SubmitState::default()), SubmitState::from_item)?;
