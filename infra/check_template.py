@@ -895,13 +895,17 @@ def check_capacity(t, overrides=None):
     if steady > ACCOUNT_RPS:
         out.append(f"the steady route throttles add up to {steady:g} req/s, above the account's {ACCOUNT_RPS} (ask for a quota increase and say so here)")
     env = t.get("Globals", {}).get("Function", {}).get("Environment", {}).get("Variables", {})
-    for var, param in (("POLL_SHARDS", "PollShards"), ("POLL_SHARDS_PREVIOUS", "PollShardsPrevious")):
+    for var, param in (("POLL_SHARDS", "PollShards"), ("POLL_SHARDS_PREVIOUS", "PollShardsPrevious"), ("QUEUE_SHARDS", "QueueShards")):
         if ref_target(env.get(var)) != param:
             out.append(f"Globals: {var} is not !Ref {param} (every function reads and writes the sharded indexes)")
     shards = num("PollShards")
     need = num("ExpectedTasksPerSecond") * INDEX_WRITES_PER_TASK / (PARTITION_WCU / 2)
     if shards < need:
         out.append(f"PollShards = {vals.get('PollShards')} is too few for ExpectedTasksPerSecond = {vals.get('ExpectedTasksPerSecond')}: each key would take {num('ExpectedTasksPerSecond') * INDEX_WRITES_PER_TASK / max(shards, 1):g} writes/s (half of {PARTITION_WCU} at most; need {need:g} shards)")
+    queue = num("QueueShards")
+    need = num("ExpectedTasksPerSecond") / (PARTITION_WCU / 2)
+    if queue < need:
+        out.append(f"QueueShards = {vals.get('QueueShards')} is too few for ExpectedTasksPerSecond = {vals.get('ExpectedTasksPerSecond')}: each queue count item would take {num('ExpectedTasksPerSecond') / max(queue, 1):g} admissions/s (half of {PARTITION_WCU} at most; need {need:g})")
     for fn, name, ev in delivery_stream_events(t, "TasksTable"):
         if number_param(t, ev.get("ParallelizationFactor")) is None:
             out.append(f"{fn}.{name}: the stream's ParallelizationFactor is not a parameter")
@@ -1026,6 +1030,8 @@ def capacity_cases(t, broken):
         ("capacity", broken(set_default("ApiBurst", 9000)), "burst quota"),
         ("capacity", broken(set_default("CompatReadsPerSecond", 9000)), "add up to"),
         ("capacity", broken(lambda c: c["Globals"]["Function"]["Environment"]["Variables"].pop("POLL_SHARDS")), "POLL_SHARDS"),
+        ("capacity", broken(lambda c: c["Globals"]["Function"]["Environment"]["Variables"].pop("QUEUE_SHARDS")), "QUEUE_SHARDS"),
+        ("capacity", broken(set_default("QueueShards", 1)), "QueueShards = 1 is too few"),
         ("reserved", broken(lambda c: c["Resources"]["DeliveryFunction"]["Properties"].pop("ReservedConcurrentExecutions")), "not a parameter"),
         ("capacity", broken(lambda c: c["Resources"]["DeliveryFunction"]["Properties"]["Events"]["TableStream"]["Properties"].__setitem__("ParallelizationFactor", 2)), "ParallelizationFactor"),
     ]

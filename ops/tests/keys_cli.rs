@@ -117,7 +117,7 @@ async fn queue_shows_each_lane_its_oldest_wait_the_submitter_and_its_window() ->
             now.minus(std::time::Duration::from_secs(42)),
             lane.into(),
         );
-        store.reserve_queue(lane, 10, 10, false).await?;
+        store.reserve_queue(lane, 0, 10, 10, false).await?;
         let req = SubmitRequest::Turnstile {
             sitekey: "s".into(),
             pageurl: "https://a.example/".into(),

@@ -106,6 +106,8 @@ pub struct StoreConfig {
     pub retention: Duration,
     /// How the sparse indexes are spread (`POLL_SHARDS`, `POLL_SHARDS_PREVIOUS`).
     pub shards: crate::store::Shards,
+    /// How many items the submit queue's counts spread over (`QUEUE_SHARDS`).
+    pub queue_shards: u8,
 }
 
 impl StoreConfig {
@@ -126,10 +128,16 @@ impl StoreConfig {
                 reason: format!("must be 0 (no change under way) to {max}"),
             });
         }
+        let qmax = crate::store::queue::MAX_QUEUE_SHARDS;
+        let queue_shards: u8 = s.parse_or("QUEUE_SHARDS", crate::store::queue::DEFAULT_QUEUE_SHARDS)?;
+        if !(1..=qmax).contains(&queue_shards) {
+            return Err(ConfigError::Invalid { name: "QUEUE_SHARDS".into(), reason: format!("must be 1 to {qmax}") });
+        }
         Ok(Self {
             table: s.required("TABLE_NAME")?,
             retention: Duration::from_secs(days * 86_400),
             shards: crate::store::Shards { write, previous },
+            queue_shards,
         })
     }
 }

@@ -801,8 +801,7 @@ fn resolved_at(task: &Task) -> Option<Timestamp> {
 
 /// A number in [0, 1) for the retry schedule's jitter.
 fn jitter() -> f64 {
-    let b = uuid::Uuid::new_v4().into_bytes();
-    f64::from(u32::from_le_bytes([b[0], b[1], b[2], b[3]])) / (f64::from(u32::MAX) + 1.0)
+    crate::retry::unit_random()
 }
 
 /// The push's body at `now`: the 2captcha pingback form for a compat task, JSON otherwise. A

@@ -505,11 +505,29 @@ pub struct TaskStore {
     /// Told of every result this store records (a CaptchaAI thread freed).
     results: Option<std::sync::Arc<tokio::sync::Notify>>,
     shards: Shards,
+    /// How many items the submit queue's counts spread over (`QUEUE_SHARDS`, [`queue`]).
+    queue_shards: u8,
 }
 
 impl TaskStore {
     pub fn new(client: Client, table: impl Into<String>, retention: Duration) -> Self {
-        Self { client, table: table.into(), retention, pushes: None, results: None, shards: Shards::default() }
+        Self {
+            client,
+            table: table.into(),
+            retention,
+            pushes: None,
+            results: None,
+            shards: Shards::default(),
+            queue_shards: 1,
+        }
+    }
+
+    /// The same store, counting its submit queue over `n` items (1 to
+    /// [`queue::MAX_QUEUE_SHARDS`]).
+    #[must_use]
+    pub fn with_queue_shards(mut self, n: u8) -> Self {
+        self.queue_shards = n.clamp(1, queue::MAX_QUEUE_SHARDS);
+        self
     }
 
     /// The same store, spreading its indexes as `shards` says.
@@ -522,6 +540,11 @@ impl TaskStore {
     /// How this store spreads its sparse indexes.
     pub fn shards(&self) -> Shards {
         self.shards
+    }
+
+    /// How many items the submit queue's counts spread over.
+    pub fn queue_shards(&self) -> u8 {
+        self.queue_shards
     }
 
     /// The same store, notifying `n` of every result it records: how a submitter in the same
@@ -558,7 +581,9 @@ impl TaskStore {
             .operation_timeout(Self::CALL_TIMEOUT)
             .build();
         let conf = aws_sdk_dynamodb::config::Builder::from(aws).timeout_config(timeouts).build();
-        Self::new(Client::from_conf(conf), cfg.table.clone(), cfg.retention).with_shards(cfg.shards)
+        Self::new(Client::from_conf(conf), cfg.table.clone(), cfg.retention)
+            .with_shards(cfg.shards)
+            .with_queue_shards(cfg.queue_shards)
     }
 
     /// The longest one store call takes before it fails (see [`Self::from_config`]).

@@ -194,10 +194,14 @@ impl Waker for NotifyWaker {
 /// a drained queue is noticed within a second and inline submits resume — the state item is the stack's hottest
 /// partition key (docs/capacity.md). The hint only ever sends a task to the queue, which the
 /// submitter releases as threads free: it cannot send one past the plan or the pace.
+///
+/// The refused permit's state is kept as long: with the queue's counts on several items
+/// (`QUEUE_SHARDS`), a reservation on another item does not return the state item, so the
+/// breaker (a rejected key) and the submitter's lease (whether to wake it) are read from here.
 #[derive(Debug, Default, Clone)]
 pub struct AdmissionHint {
     /// Shared by the clones of one instance's dependencies.
-    waiting_seen: Arc<std::sync::Mutex<Option<Timestamp>>>,
+    seen: Arc<std::sync::Mutex<Option<(Timestamp, crate::store::SubmitState)>>>,
 }
 
 impl AdmissionHint {
@@ -207,14 +211,19 @@ impl AdmissionHint {
 
     /// Whether other tasks were seen waiting within [`Self::FOR`] of `now`.
     pub fn queue_waiting(&self, now: Timestamp) -> bool {
-        let seen = *self.waiting_seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        seen.is_some_and(|at| now >= at && now.since(at) < Self::FOR)
+        self.known(now).is_some_and(|st| st.queued > 0)
     }
 
-    /// Takes in the queue's count a refused permit returned.
-    pub fn saw(&self, queued: u64, now: Timestamp) {
-        let mut seen = self.waiting_seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        *seen = (queued > 0).then_some(now);
+    /// The state a refused permit returned within [`Self::FOR`] of `now`.
+    pub fn known(&self, now: Timestamp) -> Option<crate::store::SubmitState> {
+        let seen = self.seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        seen.as_ref().filter(|(at, _)| now >= *at && now.since(*at) < Self::FOR).map(|(_, st)| st.clone())
+    }
+
+    /// Takes in the state a refused permit returned.
+    pub fn saw(&self, state: &crate::store::SubmitState, now: Timestamp) {
+        let mut seen = self.seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        *seen = Some((now, state.clone()));
     }
 }
 
@@ -295,16 +304,19 @@ mod tests {
     fn the_admission_hint_skips_permits_only_while_others_wait_and_only_for_a_second() {
         let hint = AdmissionHint::default();
         let t = Timestamp::from_millis;
+        let q = |queued| crate::store::SubmitState { queued, ..Default::default() };
         assert!(!hint.queue_waiting(t(0)), "nothing seen: ask for a permit");
-        hint.saw(0, t(1_000));
+        hint.saw(&q(0), t(1_000));
         assert!(!hint.queue_waiting(t(1_001)), "refused with nothing queued (no permit left): ask again");
-        hint.saw(3, t(2_000));
+        assert_eq!(hint.known(t(1_001)), Some(q(0)), "the state is known all the same");
+        hint.saw(&q(3), t(2_000));
         assert!(hint.queue_waiting(t(2_000)) && hint.queue_waiting(t(2_999)), "others wait: queue at once");
         assert!(!hint.queue_waiting(t(3_000)), "a second later it asks again");
-        hint.saw(5, t(4_000));
-        hint.saw(0, t(4_100));
+        assert_eq!(hint.known(t(3_000)), None, "and knows nothing any more");
+        hint.saw(&q(5), t(4_000));
+        hint.saw(&q(0), t(4_100));
         assert!(!hint.queue_waiting(t(4_200)), "an empty queue seen ends the hint at once");
-        hint.saw(5, t(9_000));
+        hint.saw(&q(5), t(9_000));
         assert!(!hint.queue_waiting(t(8_000)), "a clock behind the sighting trusts nothing");
     }
 

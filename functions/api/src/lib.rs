@@ -32,7 +32,7 @@ use relay_shared::deadletter::{DeadLetterSink, SqsQueue};
 use relay_shared::domain::{Task, TaskRef, TaskState, Via};
 use relay_shared::http::{Authorizer, json, path_segments, problem, with_header};
 use relay_shared::signing::CallbackSigner;
-use relay_shared::store::{Created, Permit, Reserved, TaskStore};
+use relay_shared::store::{Created, Permit, Reserved, SubmitState, TaskStore};
 use relay_shared::submit::{InPhp, QueueSettings, Recorder, Waker, lanes::lane_id};
 use relay_shared::time::{Clock, Timestamp};
 use relay_shared::webhook::UrlPolicy;
@@ -214,15 +214,22 @@ fn unavailable(code: &str, message: impl Into<String>, retry_after: Duration, re
     with_header(json(503, &body), "retry-after", &retry_after.as_secs().max(1).to_string())
 }
 
+/// The store failed (throttled, most likely, when it fails for many at once): "try again", in 5
+/// to 15 s. Spread, so the clients refused during a throttled minute do not all return in the
+/// same second after it and throttle it again (docs/capacity.md).
 fn store_unavailable(e: &relay_shared::store::StoreError) -> Response<Body> {
     tracing::error!(event = "store_failed", error = %e, retryable = e.is_retryable(), "task store call failed");
     unavailable(
         "store_unavailable",
         "the task store is unavailable; nothing was sent to CaptchaAI, so trying again is safe",
-        Duration::from_secs(5),
+        relay_shared::retry::spread(STORE_RETRY_AFTER, STORE_RETRY_SPREAD, relay_shared::retry::unit_random()),
         true,
     )
 }
+
+/// The least a client told "store unavailable" waits, and the window over which they spread.
+const STORE_RETRY_AFTER: Duration = Duration::from_secs(5);
+const STORE_RETRY_SPREAD: Duration = Duration::from_secs(10);
 
 /// Answers a submit whose key was used before: the task as it is now, or 422 for another body.
 fn replay(task: &Task, stored: Option<&str>, fingerprint: &str, now: Timestamp) -> Response<Body> {
@@ -361,18 +368,18 @@ pub(crate) async fn submit_task(req: &Request, deps: &Deps, input: SubmitInput) 
             match deps.store.take_permit(now, initial).await {
                 Ok(Permit::Taken) => None,
                 Ok(Permit::Refused(state)) => {
-                    deps.admission.saw(state.queued, now);
-                    Some(Some(state))
+                    deps.admission.saw(&state, now);
+                    Some(Some(*state))
                 }
                 Err(e) => return Submitted::Store(e),
             }
         };
         if let Some(state) = no_permit {
-            if let Some(open) = state.and_then(|st| key_rejected(&st, now)) {
+            if let Some(open) = state.as_ref().and_then(|st| key_rejected(st, now)) {
                 return open;
             }
             let task = Task { owner_callback, webhook_owner, ..Task::queued(task_ref, kind, now, lane) };
-            return enqueue(deps, task, &submit, &pingback, fp, &fingerprint).await;
+            return enqueue(deps, task, &submit, &pingback, fp, &fingerprint, state).await;
         }
         // Paced account-wide, so a burst of submits never earns MAX_USER_TURN; over the pace,
         // the task waits in the queue instead.
@@ -381,7 +388,7 @@ pub(crate) async fn submit_task(req: &Request, deps: &Deps, input: SubmitInput) 
             Ok(false) => {
                 give_back_permit(deps).await;
                 let task = Task { owner_callback, webhook_owner, ..Task::queued(task_ref, kind, now, lane) };
-                return enqueue(deps, task, &submit, &pingback, fp, &fingerprint).await;
+                return enqueue(deps, task, &submit, &pingback, fp, &fingerprint, None).await;
             }
             Err(e) => {
                 give_back_permit(deps).await;
@@ -456,7 +463,7 @@ pub(crate) async fn submit_task(req: &Request, deps: &Deps, input: SubmitInput) 
 
 /// A rejected key (the breaker open for an operator): queueing would only hold the work until
 /// it times out, so the submit is refused with the reason.
-fn key_rejected(state: &relay_shared::store::SubmitState, now: Timestamp) -> Option<Submitted> {
+fn key_rejected(state: &SubmitState, now: Timestamp) -> Option<Submitted> {
     let until = state.breaker.open_for_submits_at(now).filter(|_| state.breaker.needs_operator)?;
     metrics::counter!("submits", "outcome" => "breaker_open").increment(1);
     Some(Submitted::BreakerOpen { until, reason: state.breaker.reason.clone().unwrap_or_default() })
@@ -486,7 +493,8 @@ async fn replayed(deps: &Deps, task: Task, stored: Option<String>, fingerprint: 
 }
 
 /// A new task into the submit queue: counted in (within the bounds), then put, then the
-/// submitter woken if none is running.
+/// submitter woken if none is running. `known`: the state item as a refused permit just showed
+/// it, when the reservation lands on another count item (`QUEUE_SHARDS`) and so cannot.
 async fn enqueue(
     deps: &Deps,
     task: Task,
@@ -494,44 +502,61 @@ async fn enqueue(
     pingback: &str,
     fp: Option<&str>,
     fingerprint: &str,
+    known: Option<SubmitState>,
 ) -> Submitted {
     let TaskState::Queued { lane, .. } = &task.state else { return Submitted::Misconfigured };
     let lane = lane.clone();
     let now = deps.clock.now();
-    let state = match deps.store.reserve_queue(&lane, deps.queue.max_per_owner, deps.queue.max_total, false).await {
-        Ok(Reserved::Yes(state)) => {
-            if let Some(open) = key_rejected(&state, now) {
-                // Seen only now when the permit was skipped on the hint.
-                uncount(deps, &lane).await;
-                return open;
+    let shard = deps.store.queue_shard(&task.task_ref);
+    let state =
+        match deps.store.reserve_queue(&lane, shard, deps.queue.max_per_owner, deps.queue.max_total, false).await {
+            Ok(Reserved::Yes(counted)) => {
+                let state = state_item(deps, shard, *counted, known, now);
+                if let Some(open) = state.as_ref().and_then(|st| key_rejected(st, now)) {
+                    // Seen only now when the permit was skipped on the hint.
+                    uncount(deps, &lane, shard).await;
+                    return open;
+                }
+                state
             }
-            state
-        }
-        Ok(Reserved::Full { owner, depth, bound }) => {
-            metrics::counter!("submits", "outcome" => "queue_full").increment(1);
-            tracing::warn!(event = "queue_full", owner, depth, bound, "submit queue at its bound; refused");
-            return Submitted::QueueFull { owner, depth, bound };
-        }
-        Err(e) => return Submitted::Store(e),
-    };
+            Ok(Reserved::Full { owner, depth, bound }) => {
+                metrics::counter!("submits", "outcome" => "queue_full").increment(1);
+                tracing::warn!(event = "queue_full", owner, depth, bound, "submit queue at its bound; refused");
+                return Submitted::QueueFull { owner, depth, bound };
+            }
+            Err(e) => return Submitted::Store(e),
+        };
     match deps.store.create_queued(&task, submit, pingback, deadline_after(deps, task.kind), fp).await {
         Ok(Created::New) => {
             metrics::counter!("submits", "outcome" => "queued").increment(1);
-            tracing::info!(event = "task_queued", lane = %lane, queued = state.queued, "queued for a free CaptchaAI thread");
-            if !state.releaser_live(deps.clock.now()) {
+            tracing::info!(event = "task_queued", lane = %lane, "queued for a free CaptchaAI thread");
+            if !state.is_some_and(|st| st.releaser_live(deps.clock.now())) {
                 deps.waker.wake(deps.clock.now()).await;
             }
             Submitted::Queued(task)
         }
         Ok(Created::Existing { task, fingerprint: stored }) => {
-            uncount(deps, &lane).await;
+            uncount(deps, &lane, shard).await;
             replayed(deps, task, stored, fingerprint.to_owned()).await
         }
         Err(e) => {
-            uncount(deps, &lane).await;
+            uncount(deps, &lane, shard).await;
             Submitted::Store(e)
         }
     }
+}
+
+/// The state item after a reservation: the reservation's own answer when the task counts on it
+/// (shard 0), otherwise what this instance last saw of it (`None`: nothing, so the submitter is
+/// woken in case).
+fn state_item(
+    deps: &Deps,
+    shard: u8,
+    counted: SubmitState,
+    known: Option<SubmitState>,
+    now: Timestamp,
+) -> Option<SubmitState> {
+    if shard == 0 { Some(counted) } else { known.or_else(|| deps.admission.known(now)) }
 }
 
 /// When, after it is sent, the poller looks at a task whose in.php answer was never stored: its
@@ -542,8 +567,8 @@ fn deadline_after(deps: &Deps, kind: relay_shared::domain::CaptchaKind) -> Durat
 
 /// Takes back a reservation that was not used (a count left too high is reconciled by the
 /// submitter: never a task unseen).
-async fn uncount(deps: &Deps, lane: &str) {
-    if let Err(e) = deps.store.count_queued(lane, -1).await {
+async fn uncount(deps: &Deps, lane: &str, shard: u8) {
+    if let Err(e) = deps.store.count_queued(lane, shard, -1).await {
         tracing::warn!(event = "store_failed", error = %e, "could not take back a queue reservation");
     }
 }
@@ -561,26 +586,28 @@ async fn queue_unsent(
     keyed: bool,
 ) -> Submitted {
     let now = deps.clock.now();
-    let state = match deps.store.reserve_queue(&lane, deps.queue.max_per_owner, deps.queue.max_total, no_slot).await {
-        Ok(Reserved::Yes(state)) => state,
-        Ok(Reserved::Full { owner, depth, bound }) => {
-            let err = CaptchaAiError::Code(
-                relay_shared::codes::ErrorCode::parse("ERROR_NO_SLOT_AVAILABLE").expect("a valid code"),
-            );
-            refused(deps, &task.task_ref, &err, keyed).await;
-            metrics::counter!("submits", "outcome" => "queue_full").increment(1);
-            return Submitted::QueueFull { owner, depth, bound };
-        }
-        Err(e) => {
-            // Still `submitting` without an outcome: the poller expires it at its deadline, and
-            // nothing was paid. Say the store failed (a retry with the key is safe).
-            return Submitted::Store(e);
-        }
-    };
+    let shard = deps.store.queue_shard(&task.task_ref);
+    let state =
+        match deps.store.reserve_queue(&lane, shard, deps.queue.max_per_owner, deps.queue.max_total, no_slot).await {
+            Ok(Reserved::Yes(counted)) => state_item(deps, shard, *counted, None, now),
+            Ok(Reserved::Full { owner, depth, bound }) => {
+                let err = CaptchaAiError::Code(
+                    relay_shared::codes::ErrorCode::parse("ERROR_NO_SLOT_AVAILABLE").expect("a valid code"),
+                );
+                refused(deps, &task.task_ref, &err, keyed).await;
+                metrics::counter!("submits", "outcome" => "queue_full").increment(1);
+                return Submitted::QueueFull { owner, depth, bound };
+            }
+            Err(e) => {
+                // Still `submitting` without an outcome: the poller expires it at its deadline, and
+                // nothing was paid. Say the store failed (a retry with the key is safe).
+                return Submitted::Store(e);
+            }
+        };
     match deps.store.queue_unsent(&task, &lane, now, submit, pingback, deadline_after(deps, task.kind)).await {
         Ok(true) => {
             metrics::counter!("submits", "outcome" => "queued").increment(1);
-            if !state.releaser_live(now) {
+            if !state.is_some_and(|st| st.releaser_live(now)) {
                 deps.waker.wake(now).await;
             }
             Submitted::Queued(Task { state: TaskState::Queued { queued_at: now, lane }, ..task })
@@ -588,7 +615,7 @@ async fn queue_unsent(
         Ok(false) => {
             // It left `submitting` meanwhile (its pingback cannot have come: in.php took
             // nothing). Show what it is.
-            uncount(deps, &lane).await;
+            uncount(deps, &lane, shard).await;
             match deps.store.get(&task.task_ref).await {
                 Ok(Some(t)) => Submitted::Accepted(t),
                 Ok(None) => Submitted::Store(relay_shared::store::StoreError::Rejected("the task vanished".into())),
@@ -596,7 +623,7 @@ async fn queue_unsent(
             }
         }
         Err(e) => {
-            uncount(deps, &lane).await;
+            uncount(deps, &lane, shard).await;
             Submitted::Store(e)
         }
     }
@@ -751,6 +778,20 @@ mod tests {
 
     const KEY: &str = "owner-api-key";
     const COMPAT_KEY: &str = "0123456789abcdef0123456789abcdef";
+
+    #[test]
+    fn clients_told_the_store_is_unavailable_come_back_spread_over_5_to_15_s() {
+        let e = relay_shared::store::StoreError::Unavailable("throttled".into());
+        let waits: std::collections::BTreeSet<u64> = (0..200)
+            .map(|_| {
+                let r = store_unavailable(&e);
+                assert_eq!(r.status(), 503);
+                r.headers()["retry-after"].to_str().ok().and_then(|v| v.parse().ok()).unwrap_or(0)
+            })
+            .collect();
+        assert!(waits.iter().all(|w| (5..=15).contains(w)), "{waits:?}");
+        assert!(waits.len() >= 5, "spread, not one second for all: {waits:?}");
+    }
 
     struct World {
         _db: LocalDynamo,

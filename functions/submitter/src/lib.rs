@@ -291,6 +291,22 @@ pub async fn run(
         looked_at: None,
         renewed_at: start,
     };
+    // A lowered `QUEUE_SHARDS` leaves counts on items no longer read: folded in first.
+    match r.deps.store.fold_queue_shards().await {
+        Ok(0) => {}
+        Ok(n) => {
+            report.reconciled += n as u64;
+            tracing::warn!(
+                event = "queue_count_reconciled",
+                items = n,
+                "counts on queue shards beyond QUEUE_SHARDS folded in"
+            );
+        }
+        Err(e) => {
+            report.errors += 1;
+            tracing::error!(event = "submitter_store_failed", error = %e, "could not fold the queue's counts");
+        }
+    }
     r.reconcile_lost_lanes(&state, &mut report).await;
     let mut calls: tokio::task::JoinSet<Sent> = tokio::task::JoinSet::new();
     let mut idle_since: Option<Timestamp> = None;
@@ -492,7 +508,8 @@ struct Run<'a> {
     pace_until: Timestamp,
     /// Queue counts moved since the last write (releases, requeues, timeouts), per lane: one
     /// write a tick on the account's state item, not one per task.
-    moved: BTreeMap<String, i64>,
+    /// Count moves not written yet, by count item and lane.
+    moved: BTreeMap<(u8, String), i64>,
     /// When the in-work index was last read, and the lease last renewed (at most once a tick
     /// each, however many answers come in between).
     looked_at: Option<Timestamp>,
@@ -592,7 +609,7 @@ impl Run<'_> {
                 match entry.empty {
                     // Empty for 10 s at the same count: the count is a crash's leftover.
                     Some((since, seen)) if seen == count && now.since(since) >= Duration::from_secs(10) => {
-                        match self.deps.store.reconcile_lane(lane, count, 0).await {
+                        match self.deps.store.reconcile_lane(lane, state, 0).await {
                             Ok(true) => {
                                 report.reconciled += 1;
                                 tracing::warn!(
@@ -625,7 +642,8 @@ impl Run<'_> {
     }
 
     /// Lanes the index lists tasks in while their count says none (a count lost to a crash):
-    /// counted again, so their tasks are released. Once per run.
+    /// counted again, so their tasks are released; and tasks listed on index shards a lowered
+    /// `QUEUE_SHARDS` no longer reads: moved to theirs. Once per run.
     async fn reconcile_lost_lanes(&mut self, state: &SubmitState, report: &mut RunReport) {
         let listed = match self.deps.store.queued_lanes().await {
             Ok(l) => l,
@@ -635,9 +653,26 @@ impl Run<'_> {
                 return;
             }
         };
-        for (lane, n) in listed {
+        let shards = self.deps.store.queue_shards();
+        let mut per_lane: BTreeMap<String, u64> = BTreeMap::new();
+        for ((lane, shard), n) in listed {
+            *per_lane.entry(lane.clone()).or_default() += n;
+            if shard >= shards {
+                match self.deps.store.rehome_queued(&lane, shard).await {
+                    Ok(moved) => {
+                        report.reconciled += 1;
+                        tracing::warn!(event = "queue_count_reconciled", lane = %lane, shard, moved, "queued tasks on a shard beyond QUEUE_SHARDS moved to theirs");
+                    }
+                    Err(e) => {
+                        report.errors += 1;
+                        tracing::error!(event = "submitter_store_failed", error = %e);
+                    }
+                }
+            }
+        }
+        for (lane, n) in per_lane {
             if state.lanes.get(&lane).copied().unwrap_or(0) == 0 {
-                match self.deps.store.reconcile_lane(&lane, 0, n).await {
+                match self.deps.store.reconcile_lane(&lane, state, n).await {
                     Ok(true) => {
                         report.reconciled += 1;
                         tracing::warn!(event = "queue_count_reconciled", lane = %lane, n, "tasks queued in a lane counted empty");
@@ -685,7 +720,7 @@ impl Run<'_> {
                 report.timed_out += 1;
                 metrics::counter!("submit_queue_timeouts").increment(1);
                 tracing::warn!(event = "queue_timeout", task_ref = %head.task_ref, waited_secs = waited.as_secs(), "queued too long; failed, never sent");
-                self.uncount(lane);
+                self.uncount(lane, &head.task_ref);
             }
             Ok(None) => {}
             Err(e) => {
@@ -696,9 +731,11 @@ impl Run<'_> {
         true
     }
 
-    /// Counts a task out of `lane` (written with the tick's other moves, [`Self::flush_counts`]).
-    fn uncount(&mut self, lane: &str) {
-        *self.moved.entry(lane.to_owned()).or_default() -= 1;
+    /// Counts a task out of `lane` on its count item (written with the tick's other moves,
+    /// [`Self::flush_counts`]).
+    fn uncount(&mut self, lane: &str, task_ref: &TaskRef) {
+        let shard = self.deps.store.queue_shard(task_ref);
+        *self.moved.entry((shard, lane.to_owned())).or_default() -= 1;
     }
 
     /// Writes the counts moved since the last flush, in one write. Failed, they are kept for
@@ -710,12 +747,14 @@ impl Run<'_> {
             self.moved.clear();
             return;
         }
-        let deltas: Vec<(String, i64)> = std::mem::take(&mut self.moved).into_iter().collect();
+        let deltas: Vec<((u8, String), i64)> = std::mem::take(&mut self.moved).into_iter().collect();
         if let Err(e) = self.deps.store.count_queued_many(&deltas).await {
+            // Items written before the failure are counted again: a count too high, which the
+            // queue reconciles, never a task unseen.
             report.errors += 1;
             tracing::error!(event = "submitter_store_failed", error = %e, "could not move the queue's counts");
-            for (lane, d) in deltas {
-                *self.moved.entry(lane).or_default() += d;
+            for (key, d) in deltas {
+                *self.moved.entry(key).or_default() += d;
             }
         }
     }
@@ -773,7 +812,7 @@ impl Run<'_> {
                     continue;
                 }
             };
-            self.uncount(&lane);
+            self.uncount(&lane, &head.task_ref);
             self.mine.insert(released.task.task_ref.clone(), now);
             self.released.insert(released.task.task_ref.clone());
             self.released_at.push_back(now);
@@ -871,19 +910,20 @@ impl Run<'_> {
     async fn requeue(&mut self, released: Released, report: &mut RunReport) {
         let Released { task, lane, queued_at, .. } = released;
         self.mine.remove(&task.task_ref);
-        *self.moved.entry(lane.clone()).or_default() += 1;
+        let shard = self.deps.store.queue_shard(&task.task_ref);
+        *self.moved.entry((shard, lane.clone())).or_default() += 1;
         match self.deps.store.requeue(&task.task_ref, &lane, queued_at).await {
             Ok(true) => {
                 report.requeued += 1;
                 self.lanes.entry(lane).or_default().heads.push_front(QueuedRef { task_ref: task.task_ref, queued_at });
             }
-            Ok(false) => self.uncount(&lane),
+            Ok(false) => self.uncount(&lane, &task.task_ref),
             Err(e) => {
                 // It stays submitting without an outcome: the poller expires it at its
                 // deadline; nothing was taken by in.php, so nothing is lost but the task.
                 report.errors += 1;
                 tracing::error!(event = "submitter_store_failed", error = %e, "could not put a task back in the queue");
-                self.uncount(&lane);
+                self.uncount(&lane, &task.task_ref);
             }
         }
     }

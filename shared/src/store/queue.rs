@@ -9,11 +9,17 @@
 //! submitter knows how many threads are in use; one index, so an existing stack adds it in one
 //! deploy.
 //!
-//! The account's state item (the breaker's, `breaker#captchaai`) also holds the queue's
-//! counters (`q_total`, `ql#<lane>` per lane: bounds and the lanes that wait), the permits the
-//! submitter publishes for inline submits, its lease, and its learnt window. Counters go up
-//! before a task enters the queue and down after it leaves, so a crash between the two leaves a
-//! count too high, never a task unseen; the submitter reconciles such counts against the index.
+//! The account's state item (the breaker's, `breaker#captchaai`) also holds the permits the
+//! submitter publishes for inline submits, its lease, and its learnt window, and the queue's
+//! counters (`q_total`, `ql#<lane>` per lane: bounds and the lanes that wait) — all of them, or
+//! with `QUEUE_SHARDS` > 1 its share: a task is counted on the count item of its shard
+//! ([`count_key`]: shard 0 is the state item, the others `breaker#captchaai#q<n>`), each with
+//! its share of the bounds, so admissions spread their one write over that many partition keys
+//! (DynamoDB takes 1,000 a second on each). Readers sum the items in use; after the count is
+//! lowered, the submitter folds what the items beyond it still hold into the state item when it
+//! starts ([`TaskStore::fold_queue_shards`]), so changing the count loses nothing. Counters go up before a task
+//! enters the queue and down after it leaves, so a crash between the two leaves a count too
+//! high, never a task unseen; the submitter reconciles such counts against the index.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -37,15 +43,62 @@ fn ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
-/// The index key of a task waiting in `lane`.
-pub fn queued_key(lane: &str) -> String {
-    format!("q#{lane}")
+/// The index key of a task waiting in `lane`, on its queue shard (`QUEUE_SHARDS`): `q#<lane>`
+/// on shard 0, `q#<lane>#<shard>` on the others — a lane's admissions spread over that many
+/// index keys as its counts do over the count items.
+pub fn queued_key(lane: &str, shard: u8) -> String {
+    if shard == 0 { format!("q#{lane}") } else { format!("q#{lane}#{shard}") }
+}
+
+/// The lane and shard of a queued index key (`None`: not a queued key).
+pub fn lane_of_key(key: &str) -> Option<(&str, u8)> {
+    let rest = key.strip_prefix("q#")?;
+    Some(match rest.rsplit_once('#') {
+        Some((lane, shard)) => match shard.parse() {
+            Ok(k) => (lane, k),
+            Err(_) => (rest, 0),
+        },
+        None => (rest, 0),
+    })
 }
 
 /// The index key of a task in work: spread like the other sparse indexes, over the store's
 /// shards (`POLL_SHARDS`; readers cover the previous count during a change).
 pub fn in_work_key(task_ref: &TaskRef, shards: super::Shards) -> String {
     format!("w#{}", shards.of(task_ref))
+}
+
+/// The most count items the queue's counts spread over (`QUEUE_SHARDS`).
+pub const MAX_QUEUE_SHARDS: u8 = 32;
+/// `QUEUE_SHARDS` unset: 4 count items, ~4,000 admissions a second (docs/capacity.md).
+pub const DEFAULT_QUEUE_SHARDS: u8 = 4;
+
+/// The item holding shard `shard`'s queue counts: the state item itself for shard 0.
+pub fn count_key(shard: u8) -> String {
+    if shard == 0 { Breaker::KEY.to_owned() } else { format!("{}#q{shard}", Breaker::KEY) }
+}
+
+/// A bound's share on one of `shards` count items (rounded up: the bounds hold in sum, give or
+/// take a share's rounding).
+fn share(bound: u64, shards: u8) -> u64 {
+    bound.div_ceil(u64::from(shards.max(1)))
+}
+
+/// An item's raw counts: `q_total` and each lane's, as stored (a reconciled share can be
+/// below zero).
+fn raw_counts(item: &Item) -> (i64, BTreeMap<String, i64>) {
+    let total = match item.get("q_total") {
+        Some(AttributeValue::N(v)) => v.parse().unwrap_or(0),
+        _ => 0,
+    };
+    let lanes = item
+        .iter()
+        .filter_map(|(k, v)| match (k.strip_prefix("ql#"), v) {
+            (Some(lane), AttributeValue::N(c)) => Some((lane.to_owned(), c.parse().unwrap_or(0))),
+            _ => None,
+        })
+        .collect();
+    (total, lanes)
 }
 
 fn lane_attr(lane: &str) -> String {
@@ -73,6 +126,10 @@ pub struct SubmitState {
     pub api_no_slots_seen: u64,
     /// Tasks released in the last minute, as the submitter last published it.
     pub released_per_minute: u64,
+    /// Each lane's count on the state item itself (shard 0), as stored.
+    pub lanes_here: BTreeMap<String, i64>,
+    /// Each lane's count on the other count items, summed.
+    pub lanes_elsewhere: BTreeMap<String, i64>,
 }
 
 impl SubmitState {
@@ -91,15 +148,8 @@ impl SubmitState {
                 Some(_) => Err(StoreError::Corrupt(format!("`{name}` is not a number"))),
             }
         };
-        let mut lanes = BTreeMap::new();
-        for (k, v) in item {
-            if let (Some(lane), AttributeValue::N(count)) = (k.strip_prefix("ql#"), v) {
-                let c: i64 = count.parse().unwrap_or(0);
-                if c > 0 {
-                    lanes.insert(lane.to_owned(), c as u64);
-                }
-            }
-        }
+        let (_, here) = raw_counts(item);
+        let lanes = here.iter().filter(|(_, c)| **c > 0).map(|(l, c)| (l.clone(), *c as u64)).collect();
         Ok(Self {
             breaker: Breaker::from_item(item)?,
             queued: num("q_total")?.max(0) as u64,
@@ -111,7 +161,27 @@ impl SubmitState {
             api_no_slots: num("ns_api")?.max(0) as u64,
             api_no_slots_seen: num("ns_seen")?.max(0) as u64,
             released_per_minute: num("rel_rate")?.max(0) as u64,
+            lanes_here: here,
+            lanes_elsewhere: BTreeMap::new(),
         })
+    }
+
+    /// Adds the counts of the other count items (shards 1 and up) to the state item's.
+    fn add_elsewhere(&mut self, here_total: i64, items: &[Item]) {
+        let mut total = here_total;
+        for item in items {
+            let (t, lanes) = raw_counts(item);
+            total += t;
+            for (lane, c) in lanes {
+                *self.lanes_elsewhere.entry(lane).or_insert(0) += c;
+            }
+        }
+        self.queued = total.max(0) as u64;
+        let mut lanes = self.lanes_here.clone();
+        for (lane, c) in &self.lanes_elsewhere {
+            *lanes.entry(lane.clone()).or_insert(0) += c;
+        }
+        self.lanes = lanes.into_iter().filter(|(_, c)| *c > 0).map(|(l, c)| (l, c as u64)).collect();
     }
 }
 
@@ -122,14 +192,14 @@ pub enum Permit {
     Taken,
     /// Not taken (the queue is not empty, no permit is left, or the breaker is open); the
     /// state as it stands.
-    Refused(SubmitState),
+    Refused(Box<SubmitState>),
 }
 
 /// What a queue reservation found.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Reserved {
     /// Counted in: put the task in the queue. The state after the reservation.
-    Yes(SubmitState),
+    Yes(Box<SubmitState>),
     /// The queue is full: `owner` (its owner's lane is at its bound) or in all.
     Full { owner: bool, depth: u64, bound: u64 },
 }
@@ -166,18 +236,74 @@ pub struct Publish {
 const BREAKER_LETS_SUBMITS: &str = "(attribute_not_exists(open_until) OR open_until <= :now OR res_php_only = :t)";
 
 impl TaskStore {
-    /// The account's state item: the breaker and the queue (strongly consistent).
+    /// The account's state item: the breaker and the queue, its counts summed over the count
+    /// items in use (strongly consistent; one `BatchGetItem`).
     pub async fn submit_state(&self) -> Result<SubmitState, StoreError> {
-        let out = self
-            .client
-            .get_item()
-            .table_name(&self.table)
-            .key(attr::PK, s(Breaker::KEY))
+        let items = self.count_items(0..self.queue_shards.max(1)).await?;
+        let (state_item, others): (Vec<Item>, Vec<Item>) =
+            items.into_iter().partition(|i| get_s(i, attr::PK).ok().flatten() == Some(Breaker::KEY));
+        let mut st = state_item.first().map_or_else(|| Ok(SubmitState::default()), SubmitState::from_item)?;
+        let here = state_item.first().map_or(0, |i| raw_counts(i).0);
+        st.add_elsewhere(here, &others);
+        Ok(st)
+    }
+
+    /// Moves what count items beyond `QUEUE_SHARDS` still hold (the count was lowered) onto the
+    /// state item: two writes per such item, the sum right after both. The submitter does it
+    /// when it starts. How many items were folded.
+    pub async fn fold_queue_shards(&self) -> Result<usize, StoreError> {
+        let from = self.queue_shards.max(1);
+        if from >= MAX_QUEUE_SHARDS {
+            return Ok(0);
+        }
+        let mut folded = 0;
+        for item in self.count_items(from..MAX_QUEUE_SHARDS).await? {
+            let Some(shard) = get_s(&item, attr::PK)?
+                .and_then(|k| k.strip_prefix(&format!("{}#q", Breaker::KEY)).and_then(|n| n.parse::<u8>().ok()))
+            else {
+                continue;
+            };
+            let (_, lanes) = raw_counts(&item);
+            let moves: Vec<((u8, String), i64)> =
+                lanes.into_iter().filter(|(_, c)| *c != 0).map(|(l, c)| ((0, l), c)).collect();
+            if moves.is_empty() {
+                continue;
+            }
+            // Onto the state item first: a crash between leaves the sum too high, never too low.
+            self.move_counts(0, &moves).await?;
+            let back: Vec<((u8, String), i64)> = moves.into_iter().map(|((_, l), c)| ((shard, l), -c)).collect();
+            self.move_counts(shard, &back).await?;
+            folded += 1;
+        }
+        Ok(folded)
+    }
+
+    /// The count items of `shards` that exist (strongly consistent; one `BatchGetItem`, asked
+    /// again for keys DynamoDB leaves unprocessed).
+    async fn count_items(&self, shards: std::ops::Range<u8>) -> Result<Vec<Item>, StoreError> {
+        let keys: Vec<Item> = shards.map(|k| [(attr::PK.to_owned(), s(&count_key(k)))].into()).collect();
+        let mut want = aws_sdk_dynamodb::types::KeysAndAttributes::builder()
+            .set_keys(Some(keys))
             .consistent_read(true)
-            .send()
-            .await
-            .map_err(sdk_error)?;
-        out.item.as_ref().map_or_else(|| Ok(SubmitState::default()), SubmitState::from_item)
+            .build()
+            .map_err(|e| StoreError::Rejected(e.to_string()))?;
+        let mut items: Vec<Item> = Vec::new();
+        // Keys DynamoDB leaves unprocessed (throttled) are asked again, a few times.
+        for round in 0..5u32 {
+            let out = self.client.batch_get_item().request_items(&self.table, want).send().await.map_err(sdk_error)?;
+            if let Some(got) = out.responses.and_then(|mut r| r.remove(&self.table)) {
+                items.extend(got);
+            }
+            match out.unprocessed_keys.and_then(|mut u| u.remove(&self.table)).filter(|k| !k.keys.is_empty()) {
+                Some(left) if round < 4 => {
+                    want = left;
+                    tokio::time::sleep(Duration::from_millis(50 << round)).await;
+                }
+                Some(_) => return Err(StoreError::Unavailable("the queue's counts stayed unprocessed".into())),
+                None => break,
+            }
+        }
+        Ok(items)
     }
 
     /// An inline submit's one write: takes a permit if the breaker lets submits through, the
@@ -206,9 +332,9 @@ impl TaskStore {
         match res {
             Ok(_) => Ok(Permit::Taken),
             Err(e) => match refused_item(&e) {
-                Some(old) => {
-                    Ok(Permit::Refused(old.map_or_else(|| Ok(SubmitState::default()), SubmitState::from_item)?))
-                }
+                Some(old) => Ok(Permit::Refused(Box::new(
+                    old.map_or_else(|| Ok(SubmitState::default()), SubmitState::from_item)?,
+                ))),
                 None => Err(sdk_error(e)),
             },
         }
@@ -228,50 +354,76 @@ impl TaskStore {
         Ok(())
     }
 
-    /// Counts a task into `lane` before it is put in the queue, within the bounds (`max_lane`
-    /// for the lane, `max_total` in all). `no_slot`: an inline submit met "no free thread" (no
-    /// more permits until the submitter publishes them again, and the submitter learns of it).
+    /// The count item shard a task is counted on (`QUEUE_SHARDS`).
+    pub fn queue_shard(&self, task_ref: &TaskRef) -> u8 {
+        task_ref.shard(self.queue_shards)
+    }
+
+    /// Counts a task into `lane` on its shard's count item (`shard`, [`TaskStore::queue_shard`])
+    /// before it is put in the queue, within that item's share of the bounds (`max_lane` for the
+    /// lane, `max_total` in all). `no_slot`: an inline submit met "no free thread" (no more
+    /// permits until the submitter publishes them again, and the submitter learns of it: on the
+    /// state item, a second write when the task counts elsewhere).
     pub async fn reserve_queue(
         &self,
         lane: &str,
+        shard: u8,
         max_lane: u64,
         max_total: u64,
         no_slot: bool,
     ) -> Result<Reserved, StoreError> {
+        let shards = self.queue_shards.max(1);
+        let shard = shard % shards;
+        let (lane_share, total_share) = (share(max_lane, shards), share(max_total, shards));
+        let no_slot_here = no_slot && shard == 0;
+        if no_slot && shard != 0 {
+            self.client
+                .update_item()
+                .table_name(&self.table)
+                .key(attr::PK, s(Breaker::KEY))
+                .update_expression("ADD ns_api :one SET permits = :zero")
+                .expression_attribute_values(":one", n(1))
+                .expression_attribute_values(":zero", n(0))
+                .send()
+                .await
+                .map_err(sdk_error)?;
+        }
         let mut update = "ADD q_total :one, #lane :one".to_owned();
-        if no_slot {
+        if no_slot_here {
             update.push_str(", ns_api :one SET permits = :zero");
         }
         let res = self
             .client
             .update_item()
             .table_name(&self.table)
-            .key(attr::PK, s(Breaker::KEY))
+            .key(attr::PK, s(&count_key(shard)))
             .update_expression(update)
             .condition_expression(
                 "(attribute_not_exists(q_total) OR q_total < :maxt) AND (attribute_not_exists(#lane) OR #lane < :maxl)",
             )
             .expression_attribute_names("#lane", lane_attr(lane))
             .expression_attribute_values(":one", n(1))
-            .expression_attribute_values(":maxt", n(max_total))
-            .expression_attribute_values(":maxl", n(max_lane));
-        let res = if no_slot { res.expression_attribute_values(":zero", n(0)) } else { res }
+            .expression_attribute_values(":maxt", n(total_share))
+            .expression_attribute_values(":maxl", n(lane_share));
+        let res = if no_slot_here { res.expression_attribute_values(":zero", n(0)) } else { res }
             .return_values(ReturnValue::AllNew)
             .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
             .send()
             .await;
         match res {
-            Ok(out) => Ok(Reserved::Yes(
+            Ok(out) => Ok(Reserved::Yes(Box::new(
                 out.attributes.as_ref().map_or_else(|| Ok(SubmitState::default()), SubmitState::from_item)?,
-            )),
+            ))),
             Err(e) => match refused_item(&e) {
                 Some(old) => {
                     let st = old.map_or_else(|| Ok(SubmitState::default()), SubmitState::from_item)?;
+                    // One item's share seen: the depth in all is about the shards' count times it.
+                    let times = u64::from(shards);
                     let in_lane = st.lanes.get(lane).copied().unwrap_or(0);
-                    Ok(if in_lane >= max_lane {
-                        Reserved::Full { owner: true, depth: in_lane, bound: max_lane }
+                    Ok(if in_lane >= lane_share {
+                        Reserved::Full { owner: true, depth: in_lane * times, bound: max_lane }
                     } else {
-                        Reserved::Full { owner: false, depth: st.queued, bound: max_total }
+                        Reserved::Full { owner: false, depth: st.queued * times, bound: max_total }
                     })
                 }
                 None => Err(sdk_error(e)),
@@ -279,34 +431,39 @@ impl TaskStore {
         }
     }
 
-    /// Counts `n` tasks into `lane` without a bound (a released task going back), or out of it
-    /// (`delta` negative: a task left the queue, or a reservation was not used).
-    pub async fn count_queued(&self, lane: &str, delta: i64) -> Result<(), StoreError> {
-        self.client
-            .update_item()
-            .table_name(&self.table)
-            .key(attr::PK, s(Breaker::KEY))
-            .update_expression("ADD q_total :d, #lane :d")
-            .expression_attribute_names("#lane", lane_attr(lane))
-            .expression_attribute_values(":d", AttributeValue::N(delta.to_string()))
-            .send()
-            .await
-            .map_err(sdk_error)?;
+    /// Counts a task into `lane` on count item `shard` without a bound (a released task going
+    /// back), or out of it (`delta` negative: a task left the queue, or a reservation was not
+    /// used).
+    pub async fn count_queued(&self, lane: &str, shard: u8, delta: i64) -> Result<(), StoreError> {
+        self.count_queued_many(&[((shard, lane.to_owned()), delta)]).await
+    }
+
+    /// Moves several lanes' counts, one write per count item touched (the submitter's releases
+    /// and requeues of a tick, summed by item and lane). Zero deltas are left out; nothing to
+    /// move, no write. Shards beyond `QUEUE_SHARDS` (a count since lowered) fold into theirs.
+    pub async fn count_queued_many(&self, deltas: &[((u8, String), i64)]) -> Result<(), StoreError> {
+        let shards = self.queue_shards.max(1);
+        let mut by_item: BTreeMap<u8, BTreeMap<&str, i64>> = BTreeMap::new();
+        for ((shard, lane), d) in deltas {
+            *by_item.entry(shard % shards).or_default().entry(lane.as_str()).or_insert(0) += d;
+        }
+        for (shard, lanes) in by_item {
+            let moves: Vec<((u8, String), i64)> =
+                lanes.into_iter().filter(|(_, d)| *d != 0).map(|(l, d)| ((shard, l.to_owned()), d)).collect();
+            self.move_counts(shard, &moves).await?;
+        }
         Ok(())
     }
 
-    /// Moves several lanes' counts in one write (the submitter's releases and requeues of a
-    /// tick, summed): one write on the state item however many tasks moved. Zero deltas are
-    /// left out; nothing to move, no write.
-    pub async fn count_queued_many(&self, deltas: &[(String, i64)]) -> Result<(), StoreError> {
-        let moved: Vec<&(String, i64)> = deltas.iter().filter(|(_, d)| *d != 0).collect();
-        if moved.is_empty() {
+    /// One write moving lanes' counts (and the total by their sum) on count item `shard`.
+    async fn move_counts(&self, shard: u8, moves: &[((u8, String), i64)]) -> Result<(), StoreError> {
+        if moves.is_empty() {
             return Ok(());
         }
-        let total: i64 = moved.iter().map(|(_, d)| d).sum();
+        let total: i64 = moves.iter().map(|(_, d)| d).sum();
         let mut update = "ADD q_total :total".to_owned();
-        let mut req = self.client.update_item().table_name(&self.table).key(attr::PK, s(Breaker::KEY));
-        for (i, (lane, d)) in moved.iter().enumerate() {
+        let mut req = self.client.update_item().table_name(&self.table).key(attr::PK, s(&count_key(shard)));
+        for (i, ((_, lane), d)) in moves.iter().enumerate() {
             update.push_str(&format!(", #l{i} :d{i}"));
             req = req
                 .expression_attribute_names(format!("#l{i}"), lane_attr(lane))
@@ -340,7 +497,7 @@ impl TaskStore {
         let extra: Item = [
             ("queued_at", n(queued_at.as_millis())),
             ("q_lane", s(lane)),
-            ("sq_key", s(&queued_key(lane))),
+            ("sq_key", s(&queued_key(lane, self.queue_shard(&task.task_ref)))),
             ("sq_at", n(queued_at.as_millis())),
             ("sq_req", s(&json)),
             ("sq_pingback", s(pingback)),
@@ -353,15 +510,27 @@ impl TaskStore {
         self.put_new(task, None, fingerprint, extra).await
     }
 
-    /// The oldest tasks waiting in `lane` (up to `limit`).
+    /// The oldest tasks waiting in `lane` (up to `limit`), over its index keys (one Query each,
+    /// at once, merged oldest first).
     pub async fn queue_heads(&self, lane: &str, limit: i32) -> Result<Vec<QueuedRef>, StoreError> {
+        let queries = (0..self.queue_shards.max(1)).map(|k| self.queue_heads_on(queued_key(lane, k), limit));
+        let mut all = Vec::new();
+        for part in futures_util::future::join_all(queries).await {
+            all.extend(part?);
+        }
+        all.sort_by(|a, b| a.queued_at.cmp(&b.queued_at).then_with(|| a.task_ref.as_ref().cmp(b.task_ref.as_ref())));
+        all.truncate(usize::try_from(limit).unwrap_or(0));
+        Ok(all)
+    }
+
+    async fn queue_heads_on(&self, key: String, limit: i32) -> Result<Vec<QueuedRef>, StoreError> {
         let out = self
             .client
             .query()
             .table_name(&self.table)
             .index_name(QUEUE_INDEX)
             .key_condition_expression("sq_key = :k")
-            .expression_attribute_values(":k", s(&queued_key(lane)))
+            .expression_attribute_values(":k", s(&key))
             .limit(limit)
             .send()
             .await
@@ -380,25 +549,30 @@ impl TaskStore {
     /// How many tasks wait in `lane` ahead of one queued at `queued_at` (at most `cap` are
     /// counted).
     pub async fn queue_ahead(&self, lane: &str, queued_at: Timestamp, cap: i32) -> Result<u64, StoreError> {
-        let out = self
-            .client
-            .query()
-            .table_name(&self.table)
-            .index_name(QUEUE_INDEX)
-            .key_condition_expression("sq_key = :k AND sq_at < :at")
-            .expression_attribute_values(":k", s(&queued_key(lane)))
-            .expression_attribute_values(":at", n(queued_at.as_millis()))
-            .select(Select::Count)
-            .limit(cap)
-            .send()
-            .await
-            .map_err(sdk_error)?;
-        Ok(u64::try_from(out.count).unwrap_or(0))
+        let mut ahead = 0u64;
+        for k in 0..self.queue_shards.max(1) {
+            let out = self
+                .client
+                .query()
+                .table_name(&self.table)
+                .index_name(QUEUE_INDEX)
+                .key_condition_expression("sq_key = :k AND sq_at < :at")
+                .expression_attribute_values(":k", s(&queued_key(lane, k)))
+                .expression_attribute_values(":at", n(queued_at.as_millis()))
+                .select(Select::Count)
+                .limit(cap)
+                .send()
+                .await
+                .map_err(sdk_error)?;
+            ahead += u64::try_from(out.count).unwrap_or(0);
+        }
+        Ok(ahead.min(u64::try_from(cap).unwrap_or(0)))
     }
 
-    /// Every lane the index lists a queued task in (a Scan of the keys-only index: the safety
-    /// net for a lane whose count was lost).
-    pub async fn queued_lanes(&self) -> Result<BTreeMap<String, u64>, StoreError> {
+    /// Every lane the index lists a queued task in, by lane and index shard (a Scan of the
+    /// keys-only index: the safety net for a lane whose count was lost, and for tasks on shards
+    /// a lowered `QUEUE_SHARDS` no longer reads).
+    pub async fn queued_lanes(&self) -> Result<BTreeMap<(String, u8), u64>, StoreError> {
         let mut lanes = BTreeMap::new();
         let mut start = None;
         loop {
@@ -414,8 +588,8 @@ impl TaskStore {
                 .await
                 .map_err(sdk_error)?;
             for item in out.items() {
-                if let Some(lane) = get_s(item, "sq_key")?.and_then(|k| k.strip_prefix("q#")) {
-                    *lanes.entry(lane.to_owned()).or_insert(0) += 1;
+                if let Some((lane, shard)) = get_s(item, "sq_key")?.and_then(lane_of_key) {
+                    *lanes.entry((lane.to_owned(), shard)).or_insert(0) += 1;
                 }
             }
             match out.last_evaluated_key.filter(|k| !k.is_empty()) {
@@ -425,11 +599,48 @@ impl TaskStore {
         }
     }
 
-    /// Sets `lane`'s count to `actual` if it is still `seen` (a count left too high by a crash,
-    /// or lost), moving the total by the difference. `false` if it changed meanwhile.
-    pub async fn reconcile_lane(&self, lane: &str, seen: u64, actual: u64) -> Result<bool, StoreError> {
-        let delta = actual as i64 - seen as i64;
-        let cond = if seen == 0 { "attribute_not_exists(#lane) OR #lane <= :seen" } else { "#lane = :seen" };
+    /// Moves the tasks queued under `lane`'s index key of `shard` — one a lowered
+    /// `QUEUE_SHARDS` no longer reads — to their shards now, keeping their place (`sq_at`). How
+    /// many moved.
+    pub async fn rehome_queued(&self, lane: &str, shard: u8) -> Result<u64, StoreError> {
+        let old = queued_key(lane, shard);
+        let mut moved = 0;
+        // Bounded: an index that lags its table could list a moved task again for a moment.
+        for _ in 0..1_000 {
+            let heads = self.queue_heads_on(old.clone(), 100).await?;
+            if heads.is_empty() {
+                return Ok(moved);
+            }
+            for h in heads {
+                let res = self
+                    .client
+                    .update_item()
+                    .table_name(&self.table)
+                    .key(attr::PK, s(h.task_ref.as_ref()))
+                    .update_expression("SET sq_key = :new")
+                    .condition_expression("sq_key = :old")
+                    .expression_attribute_values(":new", s(&queued_key(lane, self.queue_shard(&h.task_ref))))
+                    .expression_attribute_values(":old", s(&old))
+                    .send()
+                    .await;
+                if condition_held(res)? {
+                    moved += 1;
+                }
+            }
+        }
+        Ok(moved)
+    }
+
+    /// Sets `lane`'s count in all to `actual` (a count left too high by a crash, or lost), as
+    /// `state` saw it: the state item's share becomes `actual` less the other items' and the
+    /// total moves by the difference, if that share is still what `state` saw. `false` if it
+    /// changed meanwhile.
+    pub async fn reconcile_lane(&self, lane: &str, state: &SubmitState, actual: u64) -> Result<bool, StoreError> {
+        let seen = state.lanes_here.get(lane).copied().unwrap_or(0);
+        let elsewhere = state.lanes_elsewhere.get(lane).copied().unwrap_or(0);
+        let new = actual as i64 - elsewhere;
+        let delta = new - seen;
+        let cond = if seen == 0 { "attribute_not_exists(#lane) OR #lane = :seen" } else { "#lane = :seen" };
         let res = self
             .client
             .update_item()
@@ -438,8 +649,8 @@ impl TaskStore {
             .update_expression("SET #lane = :actual ADD q_total :d")
             .condition_expression(cond)
             .expression_attribute_names("#lane", lane_attr(lane))
-            .expression_attribute_values(":actual", n(actual))
-            .expression_attribute_values(":seen", n(seen))
+            .expression_attribute_values(":actual", AttributeValue::N(new.to_string()))
+            .expression_attribute_values(":seen", AttributeValue::N(seen.to_string()))
             .expression_attribute_values(":d", AttributeValue::N(delta.to_string()))
             .send()
             .await;
@@ -508,7 +719,7 @@ impl TaskStore {
             .expression_attribute_values(":submitting", s("submitting"))
             .expression_attribute_values(":at", n(queued_at.as_millis()))
             .expression_attribute_values(":lane", s(lane))
-            .expression_attribute_values(":q", s(&queued_key(lane)))
+            .expression_attribute_values(":q", s(&queued_key(lane, self.queue_shard(task_ref))))
             .send()
             .await;
         condition_held(res)
@@ -545,7 +756,7 @@ impl TaskStore {
             .expression_attribute_values(":submitting", s("submitting"))
             .expression_attribute_values(":at", n(queued_at.as_millis()))
             .expression_attribute_values(":lane", s(lane))
-            .expression_attribute_values(":q", s(&queued_key(lane)))
+            .expression_attribute_values(":q", s(&queued_key(lane, self.queue_shard(task_ref))))
             .expression_attribute_values(":req", s(&json))
             .expression_attribute_values(":pb", s(pingback))
             .expression_attribute_values(":busy", n(ms(task.kind.busy_for())))
@@ -641,7 +852,8 @@ impl TaskStore {
     }
 
     /// Takes or renews the submitter's lease until `until` (free, lapsed or already `me`'s),
-    /// publishing what it knows. `None`: another submitter holds it.
+    /// publishing what it knows; the state after it, its counts summed over every count item
+    /// in use. `None`: another submitter holds it.
     pub async fn releaser_lease(
         &self,
         me: &str,
@@ -670,7 +882,15 @@ impl TaskStore {
             .await;
         match res {
             Ok(out) => {
-                Ok(Some(out.attributes.as_ref().map_or_else(|| Ok(SubmitState::default()), SubmitState::from_item)?))
+                let item = out.attributes.unwrap_or_default();
+                let mut st = SubmitState::from_item(&item)?;
+                // The renewal returns the state item; the other count items are read to add
+                // theirs (one more read a tick, only with `QUEUE_SHARDS` > 1).
+                if self.queue_shards > 1 {
+                    let others = self.count_items(1..self.queue_shards).await?;
+                    st.add_elsewhere(raw_counts(&item).0, &others);
+                }
+                Ok(Some(st))
             }
             Err(e) if refused_item(&e).is_some() => Ok(None),
             Err(e) => Err(sdk_error(e)),
@@ -744,7 +964,7 @@ mod tests {
 
     async fn queue_one(store: &TaskStore, at: u64) -> anyhow::Result<Task> {
         let task = Task::queued(TaskRef::generate(), CaptchaKind::Turnstile, t(at), LANE.into());
-        assert!(matches!(store.reserve_queue(LANE, 100, 100, false).await?, Reserved::Yes(_)));
+        assert!(matches!(store.reserve_queue(LANE, 0, 100, 100, false).await?, Reserved::Yes(_)));
         assert_eq!(
             store
                 .create_queued(&task, &turnstile(), "https://relay/callback/x/y", Duration::from_secs(110), None)
@@ -785,14 +1005,14 @@ mod tests {
         let db = LocalDynamo::start().await?;
         let store = db.fresh_store().await?;
         for _ in 0..3 {
-            assert!(matches!(store.reserve_queue("aaaaaaaaaaaaaaaa.t", 100, 100, false).await?, Reserved::Yes(_)));
+            assert!(matches!(store.reserve_queue("aaaaaaaaaaaaaaaa.t", 0, 100, 100, false).await?, Reserved::Yes(_)));
         }
-        assert!(matches!(store.reserve_queue("bbbbbbbbbbbbbbbb.i", 100, 100, false).await?, Reserved::Yes(_)));
+        assert!(matches!(store.reserve_queue("bbbbbbbbbbbbbbbb.i", 0, 100, 100, false).await?, Reserved::Yes(_)));
         store
             .count_queued_many(&[
-                ("aaaaaaaaaaaaaaaa.t".into(), -2),
-                ("bbbbbbbbbbbbbbbb.i".into(), 0),
-                ("cccccccccccccccc.t".into(), 1),
+                ((0, "aaaaaaaaaaaaaaaa.t".into()), -2),
+                ((0, "bbbbbbbbbbbbbbbb.i".into()), 0),
+                ((0, "cccccccccccccccc.t".into()), 1),
             ])
             .await?;
         let st = store.submit_state().await?;
@@ -805,7 +1025,7 @@ mod tests {
             ),
             (Some(1), Some(1), Some(1))
         );
-        store.count_queued_many(&[("aaaaaaaaaaaaaaaa.t".into(), 0)]).await?;
+        store.count_queued_many(&[((0, "aaaaaaaaaaaaaaaa.t".into()), 0)]).await?;
         store.count_queued_many(&[]).await?;
         assert_eq!(store.submit_state().await?, st, "zero deltas write nothing");
         Ok(())
@@ -833,7 +1053,7 @@ mod tests {
         assert_eq!(r.task.released_at, Some(t(10)));
         assert_eq!(r.task.submitted_or_created_at(), t(10), "its deadlines count from the release");
         assert!(store.release(&a.task_ref, t(10)).await?.is_none(), "never twice");
-        store.count_queued(LANE, -1).await?;
+        store.count_queued(LANE, 0, -1).await?;
         assert_eq!(store.in_work(t(11)).await?, vec![a.task_ref.clone()]);
         assert!(store.in_work(t(24)).await?.contains(&a.task_ref), "busy for Turnstile's 15 s from its release");
         assert!(store.in_work(t(25)).await?.is_empty());
@@ -843,7 +1063,7 @@ mod tests {
         assert!(due.tasks.iter().any(|d| d.task.task_ref == a.task_ref), "the poller sees it 110 s after its release");
 
         // No free thread: back at its place, ahead of b.
-        store.count_queued(LANE, 1).await?;
+        store.count_queued(LANE, 0, 1).await?;
         assert!(store.requeue(&a.task_ref, LANE, r.queued_at).await?);
         let heads: Vec<TaskRef> = store.queue_heads(LANE, 10).await?.into_iter().map(|h| h.task_ref).collect();
         assert_eq!(heads.first(), Some(&a.task_ref));
@@ -873,7 +1093,7 @@ mod tests {
             webhook_owner: Some("default".into()),
             ..Task::queued(TaskRef::generate(), CaptchaKind::Image, t(0), LANE.into())
         };
-        store.reserve_queue(LANE, 10, 10, false).await?;
+        store.reserve_queue(LANE, 0, 10, 10, false).await?;
         store.create_queued(&task, &turnstile(), "https://relay/cb", Duration::from_secs(110), None).await?;
         let failed = store
             .fail_unsent(&task.task_ref, true, crate::submit::QUEUE_TIMEOUT, "waited too long", t(600))
@@ -903,7 +1123,7 @@ mod tests {
         store.releaser_lease("me", t(1), t(11), Some(&Publish { permits: 5, ..Publish::default() })).await?;
         queue_one(&store, 1).await?;
         assert!(matches!(store.take_permit(t(2), 2).await?, Permit::Refused(_)));
-        store.count_queued(LANE, -1).await?;
+        store.count_queued(LANE, 0, -1).await?;
         assert_eq!(store.take_permit(t(2), 2).await?, Permit::Taken);
         // A ban stops inline submits; a pause for res.php answers does not.
         store.open_breaker(t(100), "MAX_USER_TURN", Stop::Ban { needs_operator: false }, t(3)).await?;
@@ -920,12 +1140,18 @@ mod tests {
         let db = LocalDynamo::start().await?;
         let store = db.fresh_store().await?;
         let other = "fedcba9876543210.i";
-        assert!(matches!(store.reserve_queue(LANE, 2, 3, false).await?, Reserved::Yes(_)));
-        assert!(matches!(store.reserve_queue(LANE, 2, 3, false).await?, Reserved::Yes(_)));
-        assert_eq!(store.reserve_queue(LANE, 2, 3, false).await?, Reserved::Full { owner: true, depth: 2, bound: 2 });
-        let Reserved::Yes(st) = store.reserve_queue(other, 2, 3, true).await? else { panic!("room in all") };
+        assert!(matches!(store.reserve_queue(LANE, 0, 2, 3, false).await?, Reserved::Yes(_)));
+        assert!(matches!(store.reserve_queue(LANE, 0, 2, 3, false).await?, Reserved::Yes(_)));
+        assert_eq!(
+            store.reserve_queue(LANE, 0, 2, 3, false).await?,
+            Reserved::Full { owner: true, depth: 2, bound: 2 }
+        );
+        let Reserved::Yes(st) = store.reserve_queue(other, 0, 2, 3, true).await? else { panic!("room in all") };
         assert_eq!((st.queued, st.api_no_slots, st.permits), (3, 1, Some(0)), "no more inline submits");
-        assert_eq!(store.reserve_queue(other, 2, 3, false).await?, Reserved::Full { owner: false, depth: 3, bound: 3 });
+        assert_eq!(
+            store.reserve_queue(other, 0, 2, 3, false).await?,
+            Reserved::Full { owner: false, depth: 3, bound: 3 }
+        );
         Ok(())
     }
 
@@ -954,20 +1180,117 @@ mod tests {
         let store = db.fresh_store().await?;
         queue_one(&store, 1).await?;
         // A crash between a reservation and its put: counted, never queued.
-        store.reserve_queue("0000000000000000.t", 10, 10, false).await?;
+        store.reserve_queue("0000000000000000.t", 0, 10, 10, false).await?;
         // And a task whose count was lost.
         let lost = Task::queued(TaskRef::generate(), CaptchaKind::Image, t(2), "1111111111111111.i".into());
         store.create_queued(&lost, &turnstile(), "https://relay/cb", Duration::from_secs(110), None).await?;
         let listed = store.queued_lanes().await?;
-        assert_eq!(listed.get(LANE), Some(&1));
-        assert_eq!(listed.get("1111111111111111.i"), Some(&1));
-        assert_eq!(listed.get("0000000000000000.t"), None);
-        assert!(store.reconcile_lane("0000000000000000.t", 1, 0).await?);
-        assert!(store.reconcile_lane("1111111111111111.i", 0, 1).await?);
-        assert!(!store.reconcile_lane(LANE, 5, 0).await?, "a count that changed meanwhile is left alone");
+        assert_eq!(listed.get(&(LANE.to_owned(), 0)), Some(&1));
+        assert_eq!(listed.get(&("1111111111111111.i".to_owned(), 0)), Some(&1));
+        assert_eq!(listed.len(), 2, "{listed:?}");
+        let seen = store.submit_state().await?;
+        assert!(store.reconcile_lane("0000000000000000.t", &seen, 0).await?);
+        assert!(store.reconcile_lane("1111111111111111.i", &seen, 1).await?);
+        let stale = SubmitState { lanes_here: [(LANE.to_owned(), 5)].into(), ..SubmitState::default() };
+        assert!(!store.reconcile_lane(LANE, &stale, 0).await?, "a count that changed meanwhile is left alone");
         let st = store.submit_state().await?;
         assert_eq!(st.queued, 2);
         assert_eq!(st.lanes.keys().cloned().collect::<Vec<_>>(), vec![LANE.to_owned(), "1111111111111111.i".into()]);
+        Ok(())
+    }
+
+    #[test]
+    fn queued_index_keys_name_their_lane_and_shard() {
+        assert_eq!(queued_key(LANE, 0), format!("q#{LANE}"));
+        assert_eq!(queued_key(LANE, 3), format!("q#{LANE}#3"));
+        for k in [0u8, 3, 31] {
+            assert_eq!(lane_of_key(&queued_key(LANE, k)), Some((LANE, k)));
+        }
+        assert_eq!(lane_of_key("w#3"), None);
+        assert_eq!(lane_of_key("q#odd#lane"), Some(("odd#lane", 0)), "a suffix that is no shard stays in the lane");
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_lane_spread_over_index_keys_is_read_oldest_first_and_a_lowered_count_moves_its_tasks()
+    -> anyhow::Result<()> {
+        let db = LocalDynamo::start().await?;
+        let store = db.fresh_store().await?.with_queue_shards(4);
+        let mut made = Vec::new();
+        for at in 1..=12u64 {
+            let task = Task::queued(TaskRef::generate(), CaptchaKind::Turnstile, t(at), LANE.into());
+            store.create_queued(&task, &turnstile(), "https://relay/cb", Duration::from_secs(110), None).await?;
+            made.push(task.task_ref);
+        }
+        let listed = store.queued_lanes().await?;
+        assert!(listed.len() > 1, "12 tasks over 4 index keys: {listed:?}");
+        assert_eq!(listed.values().sum::<u64>(), 12);
+        let heads: Vec<TaskRef> = store.queue_heads(LANE, 5).await?.into_iter().map(|h| h.task_ref).collect();
+        assert_eq!(heads, made[..5], "oldest first across the keys");
+        assert_eq!(store.queue_ahead(LANE, t(8), 100).await?, 7);
+        assert_eq!(store.queue_ahead(LANE, t(8), 3).await?, 3, "capped");
+        // Lowered to 1: the index keys beyond it are moved back, in their places.
+        let one = store.clone().with_queue_shards(1);
+        let stray: Vec<u8> = listed.keys().map(|(_, k)| *k).filter(|k| *k > 0).collect();
+        let mut moved = 0;
+        for k in stray {
+            moved += one.rehome_queued(LANE, k).await?;
+        }
+        assert_eq!(moved, 12 - listed.get(&(LANE.to_owned(), 0)).copied().unwrap_or(0));
+        let heads: Vec<TaskRef> = one.queue_heads(LANE, 20).await?.into_iter().map(|h| h.task_ref).collect();
+        assert_eq!(heads, made, "every task on the one key left, oldest first");
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn counts_spread_over_items_hold_their_bounds_in_sum_and_read_as_one() -> anyhow::Result<()> {
+        let db = LocalDynamo::start().await?;
+        let store = db.fresh_store().await?.with_queue_shards(4);
+        // Bounds 8 in the lane and 12 in all: shares of 2 and 3 on each of the 4 items.
+        for shard in 0..4u8 {
+            for _ in 0..2 {
+                assert!(matches!(store.reserve_queue(LANE, shard, 8, 12, false).await?, Reserved::Yes(_)));
+            }
+            assert_eq!(
+                store.reserve_queue(LANE, shard, 8, 12, false).await?,
+                Reserved::Full { owner: true, depth: 8, bound: 8 },
+                "item {shard}'s share of the lane is taken: about 8 in all"
+            );
+        }
+        let other = "1111111111111111.i";
+        assert!(matches!(store.reserve_queue(other, 3, 8, 12, true).await?, Reserved::Yes(_)));
+        assert_eq!(
+            store.reserve_queue(other, 3, 8, 12, false).await?,
+            Reserved::Full { owner: false, depth: 12, bound: 12 },
+            "item 3 holds its share of the total"
+        );
+        let st = store.submit_state().await?;
+        assert_eq!((st.queued, st.lanes.get(LANE).copied(), st.lanes.get(other).copied()), (9, Some(8), Some(1)));
+        assert_eq!((st.api_no_slots, st.permits), (1, Some(0)), "a no-slot answer reaches the state item");
+        assert_eq!(st.lanes_here.get(LANE), Some(&2));
+        assert_eq!(st.lanes_elsewhere.get(LANE), Some(&6));
+        // The submitter's lease renewal answers with the same sums (its view between reads).
+        let leased = store.releaser_lease("s", t(1), t(11), None).await?.expect("the lease is free");
+        assert_eq!((leased.queued, leased.lanes.clone()), (st.queued, st.lanes.clone()));
+        // The submitter's moves of a tick: one write per item touched.
+        store.count_queued_many(&[((1, LANE.into()), -2), ((2, LANE.into()), -1), ((3, other.into()), -1)]).await?;
+        let st = store.submit_state().await?;
+        assert_eq!((st.queued, st.lanes.get(LANE).copied(), st.lanes.get(other)), (5, Some(5), None));
+        // A count wrong in all is set right on the state item's share: 5 counted, 1 listed.
+        assert!(store.reconcile_lane(LANE, &st, 1).await?);
+        let st = store.submit_state().await?;
+        assert_eq!((st.queued, st.lanes.get(LANE).copied()), (1, Some(1)));
+        assert_eq!(st.lanes_here.get(LANE), Some(&-2), "the state item's share absorbs the others'");
+        // The count lowered to 1: what the other items hold is folded onto the state item once
+        // (the submitter's start), and moves on their shards land on the one left.
+        assert!(matches!(store.reserve_queue(other, 2, 8, 12, false).await?, Reserved::Yes(_)));
+        let one = store.clone().with_queue_shards(1);
+        assert_eq!(one.submit_state().await?.queued, 0, "-1 here, +1 on item 2 not read yet");
+        assert_eq!(one.fold_queue_shards().await?, 2, "items 2 and 3 held counts (item 1 sums to 0)");
+        assert_eq!(one.fold_queue_shards().await?, 0, "folded once");
+        let st = one.submit_state().await?;
+        assert_eq!((st.queued, st.lanes.get(LANE).copied(), st.lanes.get(other).copied()), (2, Some(1), Some(1)));
+        one.count_queued(other, 3, -1).await?;
+        assert_eq!(one.submit_state().await?.queued, 1);
         Ok(())
     }
 

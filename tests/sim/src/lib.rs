@@ -272,6 +272,10 @@ impl World {
             }
             None => None,
         };
+        // The submit queue's counts spread as deployed (`QueueShards`).
+        let queue_shards: u8 =
+            deployed.api_env.parse_or("QUEUE_SHARDS", relay_shared::store::queue::DEFAULT_QUEUE_SHARDS)?;
+        store = store.with_queue_shards(queue_shards);
         let engine = meter.as_ref().map_or_else(|| db.endpoint.clone(), |m| m.endpoint.clone());
         if let Some(n) = opts.push_notifier.clone() {
             store = store.with_push_notifier(n);
@@ -309,8 +313,10 @@ impl World {
             )
         };
         let flaky = if opts.flaky_relay_store { Some(FlakyDynamo::start(&engine).await?) } else { None };
-        let relay_store =
-            flaky.as_ref().map_or_else(|| store.clone(), |f| f.store(store.table()).with_shards(store.shards()));
+        let relay_store = flaky.as_ref().map_or_else(
+            || store.clone(),
+            |f| f.store(store.table()).with_shards(store.shards()).with_queue_shards(store.queue_shards()),
+        );
         let mut relay = Relay::new(LocalParts {
             store: relay_store,
             captchaai: client(opts.submit_timeout)?,
@@ -377,7 +383,9 @@ impl World {
                 .await;
         });
         let poller_store = match (&flaky, opts.flaky_poller_store) {
-            (Some(f), true) => f.store(store.table()).with_shards(store.shards()),
+            (Some(f), true) => {
+                f.store(store.table()).with_shards(store.shards()).with_queue_shards(store.queue_shards())
+            }
             _ => store.clone(),
         };
         let poller = relay_poller::Deps {
@@ -608,9 +616,14 @@ impl World {
 
     /// The store as the relay's functions see it (through the fault injector, if any).
     pub fn redrive_store(&self) -> TaskStore {
-        self.flaky
-            .as_ref()
-            .map_or_else(|| self.store.clone(), |f| f.store(self.store.table()).with_shards(self.store.shards()))
+        self.flaky.as_ref().map_or_else(
+            || self.store.clone(),
+            |f| {
+                f.store(self.store.table())
+                    .with_shards(self.store.shards())
+                    .with_queue_shards(self.store.queue_shards())
+            },
+        )
     }
 
     /// `POST /tasks` as an owner would send it, with an optional `Idempotency-Key`.
