@@ -195,6 +195,10 @@ struct SimState {
     live: Option<std::collections::HashMap<u64, std::backtrace::Backtrace>>,
     sites: std::collections::HashMap<(u64, u64), std::backtrace::Backtrace>,
     live_seq: u64,
+    /// Times the clock was moved on past a stall ([`ManualClock::nudges`]).
+    nudges: u64,
+    /// How long it may stand still first ([`STUCK_AFTER`] unless set).
+    stuck_after: Option<Duration>,
 }
 
 struct Sim {
@@ -210,8 +214,8 @@ impl Sim {
 }
 
 /// How long a simulation may stand still in real time before [`ManualClock::stuck_report`] is
-/// printed.
-const STUCK_AFTER: Duration = Duration::from_secs(60);
+/// printed and, if anything sleeps, the clock is moved on all the same (a nudge).
+const STUCK_AFTER: Duration = Duration::from_secs(30);
 
 /// A clock that only moves when told: [`set`](Self::set) and [`advance`](Self::advance) by
 /// hand, or [`run_until`](Self::run_until) as a discrete-event simulation. Shared by clones.
@@ -256,6 +260,17 @@ impl ManualClock {
         self.0.changed.notify_waiters();
     }
 
+    /// How long the clock may stand still before it is moved on past a stall (tests of the
+    /// nudge; [`STUCK_AFTER`] otherwise).
+    pub fn set_stuck_after(&self, d: Duration) {
+        self.0.lock().stuck_after = Some(d);
+    }
+
+    /// How many times the clock was moved on past a stall (see [`Self::quiesce`]).
+    pub fn nudges(&self) -> u64 {
+        self.0.lock().nudges
+    }
+
     /// The earliest time something sleeps until, if anything sleeps.
     pub fn next_wake(&self) -> Option<Timestamp> {
         self.0.lock().waiters.keys().next().map(|(t, _)| Timestamp(*t))
@@ -267,18 +282,29 @@ impl ManualClock {
         st.busy <= st.waiters.len()
     }
 
-    /// Waits (in real time) until nothing is working.
-    pub async fn quiesce(&self) {
+    /// Waits (in real time) until nothing is working — or, after [`STUCK_AFTER`] without that
+    /// while something sleeps, returns all the same (counted in [`Self::nudges`]): a guard whose
+    /// holder waits on children asleep on the clock (a known gap in the harnesses' accounting,
+    /// tests/sim/LOAD.md) would otherwise stop the simulation for good. What the nudged work
+    /// does late still shows in the run's outcomes, which are checked.
+    pub async fn quiesce(&self) -> bool {
         let started = std::time::Instant::now();
+        let stuck_after = self.0.lock().stuck_after.unwrap_or(STUCK_AFTER);
         let mut told = false;
         loop {
-            if !told && started.elapsed() > STUCK_AFTER {
+            if !told && started.elapsed() > stuck_after {
                 told = true;
                 eprintln!("{}", self.stuck_report());
+                let mut st = self.0.lock();
+                if !st.waiters.is_empty() {
+                    st.nudges += 1;
+                    eprintln!("moving the clock on to the next sleep's time all the same (nudge {})", st.nudges);
+                    return true;
+                }
             }
             let changed = self.0.changed.notified();
             if self.is_quiet() {
-                return;
+                return false;
             }
             // The timeout only guards against a wake-up lost to a race; correctness does not
             // depend on it.
@@ -335,8 +361,7 @@ impl ManualClock {
     /// asleep on its timeout, and a receiver that has not started on it yet.
     pub async fn settle(&self) {
         loop {
-            self.quiesce().await;
-            if self.0.lock().io == 0 {
+            if self.quiesce().await || self.0.lock().io == 0 {
                 return;
             }
             tokio::time::sleep(Duration::from_millis(2)).await;
@@ -463,6 +488,31 @@ impl Clock for ManualClock {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_parent_waiting_on_a_sleeping_child_is_nudged_past_not_stuck_forever() {
+        let clock = ManualClock::at(Timestamp::from_millis(0));
+        clock.set_stuck_after(Duration::from_millis(200));
+        // The parent holds a guard while it waits for its child (not on the clock); the child
+        // holds its own and sleeps 5 s: busy 2, asleep 1 — the gap that stalls a simulation.
+        let parent_busy = clock.busy();
+        let (c, child_busy) = (clock.clone(), clock.busy());
+        let parent = tokio::spawn(async move {
+            let _busy = parent_busy;
+            tokio::spawn(async move {
+                let _busy = child_busy;
+                c.sleep_until(Timestamp::from_millis(5_000)).await;
+            })
+            .await
+            .ok();
+        });
+        tokio::time::timeout(Duration::from_secs(20), clock.run_until(Timestamp::from_millis(10_000)))
+            .await
+            .expect("the simulation ends instead of standing still");
+        assert!(parent.await.is_ok());
+        assert_eq!(clock.nudges(), 1, "moved on once, past the stall");
+        assert_eq!(clock.now(), Timestamp::from_millis(10_000));
+    }
 
     #[test]
     fn formats_rfc3339_in_utc_with_millis() {

@@ -221,6 +221,8 @@ pub struct LoadReport {
     pub real_submit_time: Duration,
     /// Times the simulated clock moved.
     pub clock_steps: u64,
+    /// Times it was moved on past a stall of the harness's accounting (`ManualClock::nudges`).
+    pub nudges: u64,
 }
 
 impl LoadReport {
@@ -343,11 +345,12 @@ impl LoadReport {
             self.meter.scans
         ));
         out.push_str(&format!(
-            "| simulated / real time | {:.0} s / {:.1} s ({:.1} tasks/s of real time; {} clock steps) |\n",
+            "| simulated / real time | {:.0} s / {:.1} s ({:.1} tasks/s of real time; {} clock steps, {} nudged past a stall) |\n",
             self.sim_time.as_secs_f64(),
             self.real_time.as_secs_f64(),
             self.real_rate(),
-            self.clock_steps
+            self.clock_steps,
+            self.nudges
         ));
         out.push_str("\nDynamoDB requests per task (as sent, throttled ones included):\n");
         for (k, v) in self.ops_per_task() {
@@ -676,6 +679,7 @@ pub async fn run(cfg: &LoadConfig) -> anyhow::Result<LoadReport> {
         dead_letter_faults,
         sim_time: w.clock.now().since(EPOCH),
         clock_steps: steps,
+        nudges: w.clock.nudges(),
         real_time,
         real_submit_time,
         ..LoadReport::default()
