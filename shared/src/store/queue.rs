@@ -166,7 +166,14 @@ impl SubmitState {
         })
     }
 
-    /// Adds the counts of the other count items (shards 1 and up) to the state item's.
+    /// The state item (empty: none yet) with the counts of the other count items (shards 1
+    /// and up) added to its own.
+    fn summed(state_item: &Item, others: &[Item]) -> Result<Self, StoreError> {
+        let mut st = Self::from_item(state_item)?;
+        st.add_elsewhere(raw_counts(state_item).0, others);
+        Ok(st)
+    }
+
     fn add_elsewhere(&mut self, here_total: i64, items: &[Item]) {
         let mut total = here_total;
         for item in items {
@@ -242,10 +249,7 @@ impl TaskStore {
         let items = self.count_items(0..self.queue_shards.max(1)).await?;
         let (state_item, others): (Vec<Item>, Vec<Item>) =
             items.into_iter().partition(|i| get_s(i, attr::PK).ok().flatten() == Some(Breaker::KEY));
-        let mut st = state_item.first().map_or_else(|| Ok(SubmitState::default()), SubmitState::from_item)?;
-        let here = state_item.first().map_or(0, |i| raw_counts(i).0);
-        st.add_elsewhere(here, &others);
-        Ok(st)
+        SubmitState::summed(&state_item.into_iter().next().unwrap_or_default(), &others)
     }
 
     /// Moves what count items beyond `QUEUE_SHARDS` still hold (the count was lowered) onto the
@@ -375,8 +379,9 @@ impl TaskStore {
         let shards = self.queue_shards.max(1);
         let shard = shard % shards;
         let (lane_share, total_share) = (share(max_lane, shards), share(max_total, shards));
-        let no_slot_here = no_slot && shard == 0;
-        if no_slot && shard != 0 {
+        // A no-slot answer stops the permits on the state item first (a rare path: a second
+        // write there), so a reservation on it shows both.
+        if no_slot {
             self.client
                 .update_item()
                 .table_name(&self.table)
@@ -388,24 +393,19 @@ impl TaskStore {
                 .await
                 .map_err(sdk_error)?;
         }
-        let mut update = "ADD q_total :one, #lane :one".to_owned();
-        if no_slot_here {
-            update.push_str(", ns_api :one SET permits = :zero");
-        }
         let res = self
             .client
             .update_item()
             .table_name(&self.table)
             .key(attr::PK, s(&count_key(shard)))
-            .update_expression(update)
+            .update_expression("ADD q_total :one, #lane :one")
             .condition_expression(
                 "(attribute_not_exists(q_total) OR q_total < :maxt) AND (attribute_not_exists(#lane) OR #lane < :maxl)",
             )
             .expression_attribute_names("#lane", lane_attr(lane))
             .expression_attribute_values(":one", n(1))
             .expression_attribute_values(":maxt", n(total_share))
-            .expression_attribute_values(":maxl", n(lane_share));
-        let res = if no_slot_here { res.expression_attribute_values(":zero", n(0)) } else { res }
+            .expression_attribute_values(":maxl", n(lane_share))
             .return_values(ReturnValue::AllNew)
             .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
             .send()
@@ -882,15 +882,11 @@ impl TaskStore {
             .await;
         match res {
             Ok(out) => {
-                let item = out.attributes.unwrap_or_default();
-                let mut st = SubmitState::from_item(&item)?;
                 // The renewal returns the state item; the other count items are read to add
                 // theirs (one more read a tick, only with `QUEUE_SHARDS` > 1).
-                if self.queue_shards > 1 {
-                    let others = self.count_items(1..self.queue_shards).await?;
-                    st.add_elsewhere(raw_counts(&item).0, &others);
-                }
-                Ok(Some(st))
+                let others =
+                    if self.queue_shards > 1 { self.count_items(1..self.queue_shards).await? } else { Vec::new() };
+                Ok(Some(SubmitState::summed(&out.attributes.unwrap_or_default(), &others)?))
             }
             Err(e) if refused_item(&e).is_some() => Ok(None),
             Err(e) => Err(sdk_error(e)),
