@@ -29,9 +29,8 @@ use relay_shared::config::{ConfigError, Settings};
 use relay_shared::deadletter::{DeadLetter, DeadLetterSink, SqsQueue};
 use relay_shared::domain::{CaptchaId, Delivery, Outcome, Via};
 use relay_shared::store::{DueTask, RecordOutcome, Reschedule, Stop, StoreError, TaskStore};
-use relay_shared::time::{Clock, Timestamp};
+use relay_shared::time::{Clock, Timestamp, Waiter};
 use serde::Serialize;
-use tokio::sync::Semaphore;
 
 /// The poller's knobs. Defaults are what the template deploys.
 #[derive(Debug, Clone)]
@@ -528,8 +527,7 @@ async fn pass(
     }
 
     let mut stream = DueStream::new(&deps.store, now, s.page_size);
-    let sem = Arc::new(Semaphore::new(s.concurrency.max(1)));
-    let mut inflight = tokio::task::JoinSet::new();
+    let mut inflight = Reads::new(clock.as_ref());
     let mut batch: Vec<(DueTask, CaptchaId, bool)> = Vec::new();
     let mut work_left = false;
     while let Some(due) = stream.next().await {
@@ -563,18 +561,8 @@ async fn pass(
                         batch.push((due, id, last));
                         if batch.len() == 100 {
                             let chunk = std::mem::take(&mut batch);
-                            if !start_batch(
-                                deps,
-                                clock,
-                                shared,
-                                limiter,
-                                &sem,
-                                &mut inflight,
-                                chunk,
-                                read_until,
-                                report,
-                            )
-                            .await
+                            if !start_batch(deps, clock, shared, limiter, &mut inflight, chunk, read_until, report)
+                                .await
                             {
                                 work_left = true;
                                 break;
@@ -608,14 +596,9 @@ async fn pass(
                             break;
                         }
                         report.res_php_requests += 1;
-                        let permit = sem.clone().acquire_owned().await.ok();
+                        inflight.make_room(s.concurrency, report).await;
                         let (deps, clock2, shared) = (deps.clone(), clock.clone(), shared.clone());
-                        let busy = clock.busy();
-                        inflight.spawn(async move {
-                            let _busy = busy;
-                            let _permit = permit;
-                            vec![read_one(&deps, &clock2, &shared, due, id, last).await]
-                        });
+                        inflight.spawn(async move { vec![read_one(&deps, &clock2, &shared, due, id, last).await] });
                     }
                     Ok(false) => report.lost_claims += 1,
                     Err(e) => store_error(report, &r, &e),
@@ -625,21 +608,12 @@ async fn pass(
     }
     if !batch.is_empty() {
         let chunk = std::mem::take(&mut batch);
-        if !start_batch(deps, clock, shared, limiter, &sem, &mut inflight, chunk, read_until, report).await {
+        if !start_batch(deps, clock, shared, limiter, &mut inflight, chunk, read_until, report).await {
             work_left = true;
         }
     }
     report.errors += stream.errors;
-    while let Some(done) = inflight.join_next().await {
-        match done {
-            Ok(applied) => applied.into_iter().for_each(|a| report.add(a)),
-            Err(e) => {
-                // A panicking read: its claim lapses with the lease and the task is read again.
-                tracing::error!(event = "poll_read_panicked", error = %e);
-                report.errors += 1;
-            }
-        }
-    }
+    while inflight.take_one(report).await {}
     if let Some(until) = shared.open_at(clock.now()) {
         report.breaker_open = true;
         return Some(until);
@@ -672,8 +646,7 @@ async fn start_batch(
     clock: &Arc<dyn Clock>,
     shared: &Arc<Shared>,
     limiter: &mut RateLimiter,
-    sem: &Arc<Semaphore>,
-    inflight: &mut tokio::task::JoinSet<Vec<Applied>>,
+    inflight: &mut Reads,
     chunk: Vec<(DueTask, CaptchaId, bool)>,
     read_until: Timestamp,
     report: &mut TickReport,
@@ -687,15 +660,54 @@ async fn start_batch(
         return false;
     }
     report.res_php_requests += 1;
-    let permit = sem.clone().acquire_owned().await.ok();
+    inflight.make_room(deps.settings.concurrency, report).await;
     let (deps, clock2, shared) = (deps.clone(), clock.clone(), shared.clone());
-    let busy = clock.busy();
-    inflight.spawn(async move {
-        let _busy = busy;
-        let _permit = permit;
-        read_batch(&deps, &clock2, &shared, chunk).await
-    });
+    inflight.spawn(async move { read_batch(&deps, &clock2, &shared, chunk).await });
     true
+}
+
+/// Reads in flight, each holding a busy guard of its own; the invocation counts as asleep
+/// while it waits for them (see [`Waiter`]).
+struct Reads {
+    set: tokio::task::JoinSet<Vec<Applied>>,
+    waiter: Waiter,
+}
+
+impl Reads {
+    fn new(clock: &dyn Clock) -> Self {
+        Self { set: tokio::task::JoinSet::new(), waiter: clock.waiter() }
+    }
+
+    fn spawn(&mut self, read: impl Future<Output = Vec<Applied>> + Send + 'static) {
+        let busy = self.waiter.busy();
+        self.set.spawn(async move {
+            let _busy = busy;
+            read.await
+        });
+    }
+
+    /// Waits until fewer than `concurrency` reads are in flight.
+    async fn make_room(&mut self, concurrency: usize, report: &mut TickReport) {
+        while self.set.len() >= concurrency.max(1) {
+            self.take_one(report).await;
+        }
+    }
+
+    /// Takes one read's result, waiting for it. `false` if none is in flight.
+    async fn take_one(&mut self, report: &mut TickReport) -> bool {
+        let Some(done) = self.waiter.wait(self.set.join_next()).await else {
+            return false;
+        };
+        match done {
+            Ok(applied) => applied.into_iter().for_each(|a| report.add(a)),
+            Err(e) => {
+                // A panicking read: its claim lapses with the lease and the task is read again.
+                tracing::error!(event = "poll_read_panicked", error = %e);
+                report.errors += 1;
+            }
+        }
+        true
+    }
 }
 
 fn emit_metrics(r: &TickReport) {

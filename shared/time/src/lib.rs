@@ -95,7 +95,7 @@ pub trait Clock: Send + Sync + fmt::Debug {
     /// Marks work in progress that a simulated clock waits for before it moves. A no-op on the
     /// system clock.
     fn busy(&self) -> Busy {
-        Busy(None, 0)
+        Busy(None, 0, 0)
     }
 
     /// Whether time is simulated (moves only when told).
@@ -109,6 +109,108 @@ pub trait Clock: Send + Sync + fmt::Debug {
     /// that nothing is working. A no-op on the system clock.
     fn io(&self) -> Io {
         Io(None)
+    }
+
+    /// A parent's wait for children that work on the clock: see [`Waiter`]. A no-op on the
+    /// system clock.
+    fn waiter(&self) -> Waiter {
+        Waiter(None, 0)
+    }
+}
+
+/// A parent that waits for its children (a `JoinSet` of reads, of sends) while they work on
+/// the clock. The parent holds its own [`Busy`] guard; each child holds one from
+/// [`Waiter::busy`]. While the parent is in [`Waiter::wait`] it counts as asleep, so the clock
+/// moves for the children's sleeps; and a child's guard, when it is dropped as the child ends,
+/// wakes the waiting parent in the same step, so the clock cannot move between the child's end
+/// and the parent's turn to act on it. A parent asleep on the clock for its own reasons (a rate
+/// limit) while a child ends is simply asleep: the clock moves for it as for any sleep.
+#[derive(Clone)]
+pub struct Waiter(Option<Arc<Sim>>, u64);
+
+impl fmt::Debug for Waiter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(if self.0.is_some() { "Waiter(sim)" } else { "Waiter(noop)" })
+    }
+}
+
+impl Waiter {
+    /// A child's guard: like [`Clock::busy`], and dropping it wakes this waiter if it waits.
+    pub fn busy(&self) -> Busy {
+        match &self.0 {
+            None => Busy(None, 0, 0),
+            Some(sim) => Busy(Some(sim.clone()), Sim::take_guard(sim), self.1),
+        }
+    }
+
+    /// Waits for `work` (the children's ends) counting as asleep meanwhile.
+    pub async fn wait<F: Future>(&self, work: F) -> F::Output {
+        let Some(sim) = &self.0 else {
+            return work.await;
+        };
+        tokio::pin!(work);
+        loop {
+            let parked =
+                Parked { sim: sim.clone(), waiter: self.1, key: None, fired: Arc::new(AtomicBool::new(false)) };
+            tokio::select! {
+                biased;
+                out = &mut work => return out,
+                () = parked => {}
+            }
+        }
+    }
+}
+
+/// The waiting parent's entry among the sleeps, until a child's end fires it.
+struct Parked {
+    sim: Arc<Sim>,
+    waiter: u64,
+    key: Option<(u64, u64)>,
+    fired: Arc<AtomicBool>,
+}
+
+impl Future for Parked {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        if self.fired.load(Ordering::SeqCst) {
+            self.key = None;
+            return Poll::Ready(());
+        }
+        let sim = self.sim.clone();
+        let mut st = sim.lock();
+        let key = match self.key {
+            Some(k) => k,
+            None => {
+                st.seq += 1;
+                (u64::MAX, st.seq)
+            }
+        };
+        st.waiters.insert(key, Waiter_ { waker: cx.waker().clone(), fired: self.fired.clone() });
+        st.parked.insert(self.waiter, key);
+        let new = self.key.is_none();
+        drop(st);
+        self.key = Some(key);
+        if new {
+            sim.changed.notify_waiters();
+        }
+        Poll::Pending
+    }
+}
+
+impl Drop for Parked {
+    fn drop(&mut self) {
+        if let Some(k) = self.key.take() {
+            let mut st = self.sim.lock();
+            if st.parked.get(&self.waiter) == Some(&k) {
+                st.parked.remove(&self.waiter);
+            }
+            if !self.fired.load(Ordering::SeqCst) {
+                st.waiters.remove(&k);
+            }
+            drop(st);
+            self.sim.changed.notify_waiters();
+        }
     }
 }
 
@@ -151,7 +253,8 @@ impl Clock for SystemClock {
 
 /// Work in progress on a simulated clock (see the module docs). Dropping it ends the work.
 #[must_use = "the guard marks work only while it is alive"]
-pub struct Busy(Option<Arc<Sim>>, u64);
+/// (The simulation, the guard's id, the [`Waiter`] it wakes as it ends, 0 for none.)
+pub struct Busy(Option<Arc<Sim>>, u64, u64);
 
 impl fmt::Debug for Busy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -167,13 +270,21 @@ impl Drop for Busy {
             if let Some(l) = st.live.as_mut() {
                 l.remove(&self.1);
             }
+            // A parent waiting for this child is at work from this step on.
+            if self.2 != 0
+                && let Some(key) = st.parked.remove(&self.2)
+                && let Some(w) = st.waiters.remove(&key)
+            {
+                w.fired.store(true, Ordering::SeqCst);
+                w.waker.wake();
+            }
             drop(st);
             sim.changed.notify_waiters();
         }
     }
 }
 
-struct Waiter {
+struct Waiter_ {
     waker: Waker,
     fired: Arc<AtomicBool>,
 }
@@ -182,7 +293,9 @@ struct Waiter {
 struct SimState {
     now: u64,
     /// Registered sleeps by (wake time, sequence).
-    waiters: BTreeMap<(u64, u64), Waiter>,
+    waiters: BTreeMap<(u64, u64), Waiter_>,
+    /// The parked entry among `waiters` of each [`Waiter`] that waits, by its id.
+    parked: std::collections::HashMap<u64, (u64, u64)>,
     seq: u64,
     /// Live [`Busy`] guards.
     busy: usize,
@@ -207,6 +320,18 @@ struct Sim {
 }
 
 impl Sim {
+    /// Counts a new guard at work; its id.
+    fn take_guard(&self) -> u64 {
+        let mut st = self.lock();
+        st.busy += 1;
+        st.live_seq += 1;
+        let id = st.live_seq;
+        if st.trace {
+            st.live.get_or_insert_with(Default::default).insert(id, std::backtrace::Backtrace::force_capture());
+        }
+        id
+    }
+
     fn lock(&self) -> MutexGuard<'_, SimState> {
         // A poisoned lock only means a test thread panicked; the data is still usable.
         self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -427,7 +552,7 @@ impl Future for ManualSleep {
             }
             st.sites.insert(key, std::backtrace::Backtrace::force_capture());
         }
-        st.waiters.insert(key, Waiter { waker: cx.waker().clone(), fired: self.fired.clone() });
+        st.waiters.insert(key, Waiter_ { waker: cx.waker().clone(), fired: self.fired.clone() });
         let new = self.key.is_none();
         drop(st);
         self.key = Some(key);
@@ -464,15 +589,13 @@ impl Clock for ManualClock {
     }
 
     fn busy(&self) -> Busy {
+        Busy(Some(self.0.clone()), Sim::take_guard(&self.0), 0)
+    }
+
+    fn waiter(&self) -> Waiter {
         let mut st = self.0.lock();
-        st.busy += 1;
         st.live_seq += 1;
-        let id = st.live_seq;
-        if st.trace {
-            st.live.get_or_insert_with(Default::default).insert(id, std::backtrace::Backtrace::force_capture());
-        }
-        drop(st);
-        Busy(Some(self.0.clone()), id)
+        Waiter(Some(self.0.clone()), st.live_seq)
     }
 
     fn is_simulated(&self) -> bool {
@@ -512,6 +635,44 @@ mod tests {
         assert!(parent.await.is_ok());
         assert_eq!(clock.nudges(), 1, "moved on once, past the stall");
         assert_eq!(clock.now(), Timestamp::from_millis(10_000));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_waiter_lets_the_clock_move_for_its_children_and_acts_on_each_end_before_it_moves_on() {
+        let clock = ManualClock::at(Timestamp::from_millis(0));
+        clock.set_stuck_after(Duration::from_secs(5));
+        // Another actor sleeps until 60 s: the clock must not jump there between a child's end
+        // and the parent's turn.
+        let (c, other) = (clock.clone(), clock.busy());
+        tokio::spawn(async move {
+            let _busy = other;
+            c.sleep_until(Timestamp::from_millis(60_000)).await;
+        });
+        let (c, parent_busy) = (clock.clone(), clock.busy());
+        let parent = tokio::spawn(async move {
+            let _busy = parent_busy;
+            let waiter = c.waiter();
+            let mut children = tokio::task::JoinSet::new();
+            for s in [5u64, 10, 15] {
+                let (c, busy) = (c.clone(), waiter.busy());
+                children.spawn(async move {
+                    let _busy = busy;
+                    c.sleep_until(Timestamp::from_millis(s * 1_000)).await;
+                });
+            }
+            let mut seen = Vec::new();
+            while waiter.wait(children.join_next()).await.is_some() {
+                seen.push(c.now().as_millis());
+                // The parent's own work after each end: the clock waits for it.
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            seen
+        });
+        tokio::time::timeout(Duration::from_secs(20), clock.run_until(Timestamp::from_millis(90_000)))
+            .await
+            .expect("the simulation runs to its end");
+        assert_eq!(parent.await.ok(), Some(vec![5_000, 10_000, 15_000]), "each end seen at its own time");
+        assert_eq!(clock.nudges(), 0, "no stall to move past");
     }
 
     #[test]

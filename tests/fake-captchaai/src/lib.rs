@@ -582,10 +582,16 @@ async fn dispatch_pingbacks(shared: Shared, mut stop: tokio::sync::watch::Receiv
             }
             out
         };
+        // Each send holds a guard of its own, lent to the receiver while it works on it (a
+        // receiver asleep on the clock balances it); the sender counts as asleep while it waits
+        // for them (relay_time::Waiter). One guard for many concurrent sends would let the
+        // clock race past the ones still at work as soon as one receiver slept.
         let mut sends = tokio::task::JoinSet::new();
+        let waiter = shared.clock.waiter();
         for (id, url, code, mode) in due {
-            let (http, shared) = (shared.http.clone(), shared.clone());
+            let (http, shared, busy) = (shared.http.clone(), shared.clone(), waiter.busy());
             sends.spawn(async move {
+                let _busy = busy;
                 let status = send_pingback(&http, &url, mode, id, &code).await.unwrap_or(0);
                 let mut g = shared.lock();
                 g.counts.callbacks_sent += 1;
@@ -597,7 +603,7 @@ async fn dispatch_pingbacks(shared: Shared, mut stop: tokio::sync::watch::Receiv
                 }
             });
         }
-        while sends.join_next().await.is_some() {}
+        while waiter.wait(sends.join_next()).await.is_some() {}
         let next = {
             let g = shared.lock();
             g.pingbacks.peek().map(|Due(std::cmp::Reverse((t, _, _)))| *t)

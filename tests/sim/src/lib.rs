@@ -535,27 +535,38 @@ impl World {
                         o.iter().enumerate().filter(|(_, t)| !t.done).map(|(i, t)| (i, t.task_ref.clone())).collect()
                     })
                     .unwrap_or_default();
-                let mut reads = tokio::task::JoinSet::new();
-                let sem = Arc::new(tokio::sync::Semaphore::new(16));
+                // Up to 16 reads at a time, each with a guard of its own (lent to the API while
+                // it answers); the reader counts as asleep while it waits for them.
+                let (mut reads, waiter) = (tokio::task::JoinSet::new(), clock.waiter());
+                let mut answers = Vec::new();
+                let started = clock.now();
                 for (i, r) in open {
-                    let (http, base, key, sem) = (http.clone(), base.clone(), key.clone(), sem.clone());
+                    while reads.len() >= 16 {
+                        let done = waiter.wait(reads.join_next()).await;
+                        answers.extend(done.and_then(|d| d.ok()).flatten());
+                    }
+                    let (http, base, key, clock, busy) =
+                        (http.clone(), base.clone(), key.clone(), clock.clone(), waiter.busy());
                     reads.spawn(async move {
-                        let _permit = sem.acquire_owned().await;
-                        let got = http
-                            .get(format!("{base}/tasks/{r}"))
-                            .bearer_auth(&key)
-                            .send()
-                            .await
-                            .ok()?
-                            .json::<serde_json::Value>()
-                            .await
-                            .ok()?;
-                        Some((i, got))
+                        let _busy = busy;
+                        let got = async {
+                            http.get(format!("{base}/tasks/{r}"))
+                                .bearer_auth(&key)
+                                .send()
+                                .await
+                                .ok()?
+                                .json::<serde_json::Value>()
+                                .await
+                                .ok()
+                        }
+                        .await;
+                        got.map(|v| (i, v, clock.now()))
                     });
                 }
-                let now = clock.now();
-                while let Some(done) = reads.join_next().await {
-                    let Ok(Some((i, v))) = done else { continue };
+                while let Some(done) = waiter.wait(reads.join_next()).await {
+                    answers.extend(done.ok().flatten());
+                }
+                for (i, v, now) in answers {
                     if let Ok(mut o) = owned.lock()
                         && let Some(t) = o.get_mut(i)
                     {
@@ -573,7 +584,7 @@ impl World {
                     }
                 }
                 tokio::select! {
-                    _ = clock.sleep_until(now.plus(read_every)) => {}
+                    _ = clock.sleep_until(started.plus(read_every)) => {}
                     _ = stop.wait_for(|s| *s) => return,
                 }
             }
