@@ -8,7 +8,8 @@ Checks:
   alarm-topic     every alarm action's SNS topic can be published to by CloudWatch: unencrypted,
                   or encrypted with a KMS key of this template whose policy lets
                   cloudwatch.amazonaws.com Decrypt and GenerateDataKey* (never alias/aws/sns).
-  sqs-visibility  a queue feeding a function has VisibilityTimeout >= 6 x the function's timeout
+  sqs-visibility  a queue feeding a function has VisibilityTimeout >= 6 x the function's timeout;
+                  a function pacing its own retries names that queue, its visibility and maxReceiveCount
                   + the event source's MaximumBatchingWindowInSeconds (AWS's guidance).
   reserved        every function's reserved concurrency is a parameter that can be off (!If with
                   AWS::NoValue): never reserved unconditionally (new accounts cannot), never a
@@ -198,6 +199,17 @@ def check_sqs_visibility(t):
             need = 6 * int(function_timeout(t, r)) + int(window)
             if int(vis) < need:
                 out.append(f"{q}: VisibilityTimeout {vis} < 6 x {name} timeout + batching window = {need}")
+            # A function that paces its own retries (the redrive function) must know the queue
+            # it drains, its visibility and its maxReceiveCount as deployed.
+            env = r.get("Properties", {}).get("Environment", {}).get("Variables", {})
+            if "DEAD_LETTER_QUEUE_URL" in env:
+                if ref_target(env["DEAD_LETTER_QUEUE_URL"]) != q:
+                    out.append(f"{name}: DEAD_LETTER_QUEUE_URL is not {q}, the queue it drains")
+                if str(env.get("DEAD_LETTER_VISIBILITY_SECONDS")) != str(vis):
+                    out.append(f"{name}: DEAD_LETTER_VISIBILITY_SECONDS {env.get('DEAD_LETTER_VISIBILITY_SECONDS')} is not {q}'s VisibilityTimeout {vis}")
+                policy = res[q]["Properties"].get("RedrivePolicy", {})
+                if env.get("MAX_RECEIVE_COUNT") != policy.get("maxReceiveCount"):
+                    out.append(f"{name}: MAX_RECEIVE_COUNT is not {q}'s maxReceiveCount")
     return out
 
 
@@ -946,6 +958,8 @@ def self_test(t, readme, sources):
         ("alarm-topic", broken(lambda c: c["Resources"][topic]["Properties"].__setitem__("KmsMasterKeyId", "alias/aws/sns"))),
         ("alarm-topic", broken(lambda c: c["Resources"][key]["Properties"]["KeyPolicy"].__setitem__("Statement", c["Resources"][key]["Properties"]["KeyPolicy"]["Statement"][:1]))),
         ("sqs-visibility", broken(lambda c: c["Resources"][queue]["Properties"].__setitem__("VisibilityTimeout", 180))),
+        ("sqs-visibility", broken(lambda c: c["Resources"]["RedriveFunction"]["Properties"]["Environment"]["Variables"].__setitem__("DEAD_LETTER_VISIBILITY_SECONDS", 30))),
+        ("sqs-visibility", broken(lambda c: c["Resources"]["RedriveFunction"]["Properties"]["Environment"]["Variables"].__setitem__("MAX_RECEIVE_COUNT", 5))),
         ("reserved", broken(lambda c: c["Resources"][poller]["Properties"].__setitem__("ReservedConcurrentExecutions", 2))),
         ("secrets", broken(lambda c: c["Resources"][poller]["Properties"].__setitem__("Policies", [{"Statement": []}]))),
     ]

@@ -14,53 +14,8 @@ source infra/moto.sh
 start_moto
 export RELAY_TEST_SQS_ENDPOINT="$MOTO_ENDPOINT"
 
-echo "==> cargo test: building every test target"
-cargo test --workspace --all-targets --locked --no-run
-
-# The simulations (tests/sim) wait for their simulated clock's quiet points more than they
-# compute (the short chaos run used 60 % of one core for its 8 minutes), so they run beside the
-# other tests, in three processes: the chaos run, the push-delivery runs, and the rest. Each
-# one's output is printed when it ends; any failure fails the command.
-logs=target/test-logs
-rm -rf "$logs" && mkdir -p "$logs"
-sim_rest=()
-for f in tests/sim/tests/*.rs; do
-  t="$(basename "$f" .rs)"
-  case "$t" in chaos | delivery) ;; *) sim_rest+=(--test "$t") ;; esac
-done
-beside=()
-run_beside() {  # name, command...: runs it in the background, its output to $logs/name.log
-  local name="$1"
-  shift
-  (
-    set +e
-    "$@" >"$logs/$name.log" 2>&1
-    echo $? >"$logs/$name.rc"
-  ) &
-  beside+=("$name")
-}
-run_beside sim-chaos cargo test -p relay-sim --locked --test chaos
-run_beside sim-delivery cargo test -p relay-sim --locked --test delivery
-run_beside sim-rest cargo test -p relay-sim --locked --lib --bins "${sim_rest[@]}"
-
 echo "==> cargo test (unit, store on embedded DynamoDB, handlers, poller, dead letters on moto SQS, end to end)"
-echo "    (the simulations run beside it: $logs/sim-*.log)"
-status=0
-cargo test --workspace --all-targets --locked --exclude relay-sim || status=$?
-wait
-for name in "${beside[@]}"; do
-  echo "==> cargo test: $name"
-  cat "$logs/$name.log"
-  rc="$(cat "$logs/$name.rc" 2>/dev/null || echo 1)"
-  if [ "$rc" != 0 ]; then
-    echo "FAILED: $name (exit $rc)" >&2
-    status=1
-  fi
-done
-if [ "$status" != 0 ]; then
-  echo "cargo test failed" >&2
-  exit 1
-fi
+cargo test --workspace --all-targets --locked
 
 echo "==> store contract tests again, against moto's DynamoDB (the second engine)"
 # Not the race of 50 concurrent writes: moto evaluates a condition and then writes, without a

@@ -131,7 +131,8 @@ pub fn open_queue(dir: &Path) -> anyhow::Result<DiskQueue> {
         bail!("no dead-letter queue at {} (is RELAY_DATA_DIR right?)", path.display());
     }
     let clock: std::sync::Arc<dyn relay_shared::time::Clock> = std::sync::Arc::new(relay_shared::time::SystemClock);
-    DiskQueue::open(&path, clock, Duration::from_secs(30), 5).with_context(|| format!("cannot open {}", path.display()))
+    DiskQueue::open(&path, clock, Duration::from_secs(30), crate::run::DEAD_LETTER_MAX_RECEIVES)
+        .with_context(|| format!("cannot open {}", path.display()))
 }
 
 /// One poisoned letter as `dead-letters list` prints it after its id, in `relay-ops list`'s

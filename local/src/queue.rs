@@ -148,6 +148,30 @@ impl DiskQueue {
         Ok(out)
     }
 
+    /// Leaves a leased message leased, to come back when
+    /// [`relay_shared::deadletter::retry_delay`] says: within seconds while the token it carries
+    /// may live, else when its lease lapses. Returns the delay. A stale lease changes nothing.
+    pub fn retry_paced(&self, leased: &Leased) -> Result<Duration, QueueError> {
+        let now = self.now();
+        let delay = relay_shared::deadletter::DeadLetter::retry_delay_of(
+            &leased.body,
+            leased.receive_count,
+            self.max_receives,
+            relay_shared::time::Timestamp::from_millis(u64::try_from(now).unwrap_or(0)),
+            self.visibility,
+        );
+        if delay < self.visibility {
+            let at = now.saturating_add(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX));
+            let conn = self.lock()?;
+            conn.execute(
+                "UPDATE messages SET visible_at = ?1 WHERE id = ?2 AND receipt = ?3",
+                params![at, leased.id, leased.receipt],
+            )
+            .map_err(qerr)?;
+        }
+        Ok(delay)
+    }
+
     /// Deletes a leased message. `false` if the lease is stale (it came back and was leased
     /// again) or the message is gone.
     pub fn delete(&self, leased: &Leased) -> Result<bool, QueueError> {
@@ -277,6 +301,42 @@ mod tests {
         assert!(!q.delete(&first[0]).expect("delete"), "a stale lease deletes nothing");
         assert!(q.delete(&again[0]).expect("delete"));
         assert_eq!(q.depth().expect("depth"), 0);
+    }
+
+    #[test]
+    fn a_letter_whose_token_may_live_is_retried_in_seconds_a_stale_one_at_the_visibility() {
+        use relay_shared::deadletter::DeadLetter;
+        use relay_shared::domain::{CaptchaId, Delivery, Outcome, Solution, TaskRef, Via};
+        let dir = tmp();
+        let clock = ManualClock::at(Timestamp::from_millis(1_796_210_146_000));
+        // The deployed queue: 185 s visibility, 12 receives.
+        let q = DiskQueue::open(&dir.join("dlq.sqlite"), Arc::new(clock.clone()), Duration::from_secs(185), 12)
+            .expect("open");
+        let letter = |token_at: Timestamp| {
+            let d = Delivery {
+                captcha_id: CaptchaId::parse("71000040").expect("id"),
+                outcome: Outcome::Solved(Solution::parse("tok").expect("token")),
+                received_at: token_at,
+                via: Via::Callback,
+                token_clock_start: token_at,
+            };
+            DeadLetter::new(&TaskRef::generate(), &d, "injected", 1).to_json()
+        };
+        let now = clock.now();
+        q.send_body(&letter(now)).expect("send");
+        q.send_body(&letter(now.minus(Duration::from_secs(600)))).expect("send");
+        let got = q.receive(10).expect("receive");
+        let delays: Vec<u64> = got.iter().map(|m| q.retry_paced(m).expect("pace").as_secs()).collect();
+        assert_eq!(delays, vec![2, 185]);
+        clock.advance(Duration::from_secs(2));
+        let back = q.receive(10).expect("receive");
+        assert_eq!(back.iter().map(|m| (m.id, m.receive_count)).collect::<Vec<_>>(), vec![(got[0].id, 2)]);
+        assert_eq!(q.retry_paced(&back[0]).expect("pace").as_secs(), 4, "then 4 s");
+        assert!(q.retry_paced(&got[0]).is_ok(), "a stale lease changes nothing");
+        clock.advance(Duration::from_secs(3));
+        assert!(q.receive(10).expect("receive").is_empty(), "not before its 4 s");
+        clock.advance(Duration::from_secs(180));
+        assert_eq!(q.receive(10).expect("receive").len(), 2, "both, the stale one at its visibility");
     }
 
     #[test]

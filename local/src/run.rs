@@ -459,7 +459,12 @@ pub async fn start(cfg: &LocalConfig, opts: Options) -> anyhow::Result<Running> 
     let (inbox, inbox_rx) = relay_shared::delivery::Inbox::new(clock.clone());
     let store = TaskStore::new(client_for(&endpoint), table.clone(), retention).with_push_notifier(inbox.notifier());
 
-    let queue = DiskQueue::open(&cfg.data_dir.join("dead-letters.sqlite"), clock.clone(), Duration::from_secs(30), 5)?;
+    let queue = DiskQueue::open(
+        &cfg.data_dir.join("dead-letters.sqlite"),
+        clock.clone(),
+        Duration::from_secs(30),
+        DEAD_LETTER_MAX_RECEIVES,
+    )?;
 
     let (fake, cai_url, cai_key, callback_base) = match &cfg.captchaai_api_key {
         Some(key) => (None, cfg.captchaai_base_url.clone(), key.clone(), cfg.public_url.clone().unwrap_or_default()),
@@ -602,6 +607,10 @@ pub fn list_poisoned(queue: &DiskQueue, reveal: bool) -> anyhow::Result<Vec<(i64
     Ok(queue.poisoned_letters()?.iter().map(|p| (p.id, crate::ops::describe_letter(p, reveal))).collect())
 }
 
+/// Receives of a local dead letter before it is poisoned: the template's `MaxReceiveCount`
+/// default (half of them fast, while its token may live).
+pub const DEAD_LETTER_MAX_RECEIVES: u32 = 12;
+
 /// One pass of the redrive loop over the on-disk dead-letter queue.
 pub async fn drain_dead_letters(queue: &DiskQueue, store: &TaskStore) {
     use relay_shared::telemetry::error_chain;
@@ -618,8 +627,9 @@ pub async fn drain_dead_letters(queue: &DiskQueue, store: &TaskStore) {
         let done = tokio::task::spawn_blocking(move || match outcome {
             relay_redrive::Redriven::Applied | relay_redrive::Redriven::AlreadyRecorded => q.delete(&m).map(|_| ()),
             relay_redrive::Redriven::Permanent(_) => q.poison(&m).map(|_| ()),
-            // Left leased: it comes back when its visibility lapses.
-            relay_redrive::Redriven::Retry(_) => Ok(()),
+            // Left leased: it comes back within seconds while its token may live, else when
+            // its visibility lapses.
+            relay_redrive::Redriven::Retry(_) => q.retry_paced(&m).map(|_| ()),
         })
         .await;
         // Either way the letter stays in the queue and comes back when its lease lapses.

@@ -193,6 +193,51 @@ pub trait DeadLetterSink: Send + Sync + fmt::Debug {
     async fn send(&self, letter: &DeadLetter) -> Result<(), QueueError>;
 }
 
+/// The shortest token life of a kind the relay handles (reCAPTCHA's 120 s). A dead letter does
+/// not name its task's kind, so its retries are paced as if its token lived this long.
+pub const SHORTEST_TOKEN_LIFE: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// The longest wait between the fast retries of [`retry_delay`].
+pub const FAST_RETRY_CAP: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// When a dead letter that could not be applied yet is tried again, counted from `now`.
+/// `receives` is how often it was received, this time included; `slow` is the queue's own pace
+/// (its visibility timeout).
+///
+/// While the token it carries could still be alive, the retries are fast — 2, 4, 8, 16, 30,
+/// 30 … s — because a store that failed for a throttled second or a deploy is usually back by
+/// then, and a result stored after its token died reaches its owner dead. The queue's generic
+/// visibility (185 s deployed) is longer than a reCAPTCHA token's whole life. At most half of
+/// the receives allowed (`max_receives`, after which the queue poisons the letter) go this way,
+/// so a long outage still has the slow ones: the letter is never poisoned sooner for it.
+pub fn retry_delay(
+    token_clock_start: Option<Timestamp>,
+    receives: u32,
+    max_receives: u32,
+    now: Timestamp,
+    slow: std::time::Duration,
+) -> std::time::Duration {
+    let fast = std::time::Duration::from_secs(1u64 << receives.clamp(1, 5)).min(FAST_RETRY_CAP);
+    match token_clock_start.map(|t| t.plus(SHORTEST_TOKEN_LIFE)) {
+        Some(dies) if now < dies && receives <= max_receives / 2 => fast.min(slow),
+        _ => slow,
+    }
+}
+
+impl DeadLetter {
+    /// [`retry_delay`] for a letter's body; a body that does not parse gets `slow`.
+    pub fn retry_delay_of(
+        body: &str,
+        receives: u32,
+        max_receives: u32,
+        now: Timestamp,
+        slow: std::time::Duration,
+    ) -> std::time::Duration {
+        let start = Self::parse(body).ok().map(|l| Timestamp::from_millis(l.token_clock_start_ms));
+        retry_delay(start, receives, max_receives, now, slow)
+    }
+}
+
 /// An SQS queue by URL.
 #[derive(Debug, Clone)]
 pub struct SqsQueue {
@@ -283,6 +328,20 @@ impl SqsQueue {
         Ok(())
     }
 
+    /// Hides a received message for `secs` from now (SQS's limit: 12 h), instead of the rest
+    /// of the visibility timeout it was received with.
+    pub async fn change_visibility(&self, receipt_handle: &str, secs: u32) -> Result<(), QueueError> {
+        self.client
+            .change_message_visibility()
+            .queue_url(&self.url)
+            .receipt_handle(receipt_handle)
+            .visibility_timeout(i32::try_from(secs.min(43_200)).unwrap_or(43_200))
+            .send()
+            .await
+            .map_err(sqs_err)?;
+        Ok(())
+    }
+
     /// Approximate number of visible messages.
     pub async fn depth(&self) -> Result<u64, QueueError> {
         let out = self
@@ -311,6 +370,28 @@ impl DeadLetterSink for SqsQueue {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_letter_whose_token_may_live_is_retried_fast_then_at_the_queues_pace() {
+        let start = Timestamp::from_millis(1_796_210_146_000);
+        let slow = std::time::Duration::from_secs(185);
+        let at = |s: u64| start.plus(std::time::Duration::from_secs(s));
+        let secs = |receives, now| retry_delay(Some(start), receives, 12, now, slow).as_secs();
+        // 2, 4, 8, 16, 30, 30: six tries within the token's first ~90 s.
+        let fast: Vec<u64> = (1..=6).map(|r| secs(r, at(10))).collect();
+        assert_eq!(fast, vec![2, 4, 8, 16, 30, 30]);
+        // The seventh receive of twelve: the rest are kept for a long outage.
+        assert_eq!(secs(7, at(10)), 185);
+        // Once the shortest-lived token would be dead, the queue's own pace.
+        assert_eq!(secs(1, at(120)), 185);
+        // With few receives allowed, at most half go fast.
+        assert_eq!(retry_delay(Some(start), 3, 5, at(5), slow).as_secs(), 185);
+        assert_eq!(retry_delay(Some(start), 2, 5, at(5), slow).as_secs(), 4);
+        // A letter that does not parse: the queue's pace.
+        assert_eq!(DeadLetter::retry_delay_of("not json", 1, 12, at(1), slow), slow);
+        // Never longer than the queue's pace (a short visibility, as local mode's).
+        assert_eq!(retry_delay(Some(start), 5, 12, at(1), std::time::Duration::from_secs(20)).as_secs(), 20);
+    }
 
     fn delivery(code: &str) -> Delivery {
         let outcome = if is_error_code(code) {

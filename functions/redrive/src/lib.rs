@@ -3,6 +3,10 @@
 //! that may succeed later are reported back (`ReportBatchItemFailures`); SQS moves a message
 //! that keeps failing to the poison queue after `maxReceiveCount` receives. A message that can
 //! never succeed (unparseable, unknown task) goes to the poison queue at once.
+//!
+//! A message reported back is not left to the queue's visibility timeout (185 s deployed,
+//! longer than a reCAPTCHA token lives): while its token may be alive it is shown again after
+//! 2, 4, 8, 16, 30 … s ([`relay_shared::deadletter::retry_delay`]), with `ChangeMessageVisibility`.
 
 use std::sync::Arc;
 
@@ -22,6 +26,19 @@ pub struct Deps {
     pub poison: SqsQueue,
     /// Messages worked on at once.
     pub concurrency: usize,
+    /// How a message that may succeed later is paced; `None`: at the queue's own visibility.
+    pub pacing: Option<RetryPacing>,
+}
+
+/// Token-paced retries of the dead-letter queue (see the module docs).
+#[derive(Debug, Clone)]
+pub struct RetryPacing {
+    /// The dead-letter queue itself (`DEAD_LETTER_QUEUE_URL`).
+    pub queue: SqsQueue,
+    /// Its redrive policy's `maxReceiveCount` (`MAX_RECEIVE_COUNT`).
+    pub max_receives: u32,
+    /// Its visibility timeout (`DEAD_LETTER_VISIBILITY_SECONDS`): the pace after the fast retries.
+    pub slow: std::time::Duration,
 }
 
 impl Deps {
@@ -34,6 +51,14 @@ impl Deps {
             store: TaskStore::from_config(&aws, &store_cfg),
             poison: SqsQueue::new(aws_sdk_sqs::Client::new(&aws), env.url("POISON_QUEUE_URL")?),
             concurrency: env.parse_or("REDRIVE_CONCURRENCY", 8)?,
+            pacing: match env.optional("DEAD_LETTER_QUEUE_URL") {
+                Some(url) if !url.is_empty() => Some(RetryPacing {
+                    queue: SqsQueue::new(aws_sdk_sqs::Client::new(&aws), url),
+                    max_receives: env.parse_or("MAX_RECEIVE_COUNT", 12)?,
+                    slow: std::time::Duration::from_secs(env.parse_or("DEAD_LETTER_VISIBILITY_SECONDS", 185)?),
+                }),
+                _ => None,
+            },
         })
     }
 }
@@ -92,6 +117,27 @@ pub async fn redrive_one(store: &TaskStore, body: &str) -> Redriven {
     }
 }
 
+/// Shows a message reported back for a retry again when [`retry_delay`] says (only when that
+/// is sooner than the queue's own visibility). Returns the delay; a failed change leaves the
+/// queue's.
+///
+/// [`retry_delay`]: relay_shared::deadletter::retry_delay
+async fn pace_retry(deps: &Deps, body: &str, receipt: &str, receives: u32) -> std::time::Duration {
+    let Some(p) = &deps.pacing else { return std::time::Duration::ZERO };
+    let now = relay_shared::time::Clock::now(&relay_shared::time::SystemClock);
+    let delay = DeadLetter::retry_delay_of(body, receives, p.max_receives, now, p.slow);
+    if delay >= p.slow || receipt.is_empty() {
+        return p.slow;
+    }
+    match p.queue.change_visibility(receipt, u32::try_from(delay.as_secs()).unwrap_or(u32::MAX)).await {
+        Ok(()) => delay,
+        Err(e) => {
+            tracing::warn!(event = "dead_letter_pacing_failed", error = %e);
+            p.slow
+        }
+    }
+}
+
 /// Counts of one batch, logged as one line.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct BatchReport {
@@ -120,6 +166,8 @@ pub async fn process(event: SqsEvent, deps: &Deps) -> (SqsBatchResponse, BatchRe
         let handle = set.spawn(
             async move {
                 let _permit = sem.acquire_owned().await;
+                let receives = msg.attributes.get("ApproximateReceiveCount").and_then(|v| v.parse().ok()).unwrap_or(1);
+                let receipt = msg.receipt_handle.unwrap_or_default();
                 let body = msg.body.unwrap_or_default();
                 let outcome = redrive_one(&deps.store, &body).await;
                 let outcome = match outcome {
@@ -139,7 +187,10 @@ pub async fn process(event: SqsEvent, deps: &Deps) -> (SqsBatchResponse, BatchRe
                 match &outcome {
                     Redriven::Applied => tracing::info!(event = "dead_letter_applied"),
                     Redriven::AlreadyRecorded => tracing::info!(event = "dead_letter_already_recorded"),
-                    Redriven::Retry(e) => tracing::warn!(event = "dead_letter_retry", error = %e),
+                    Redriven::Retry(e) => {
+                        let again = pace_retry(&deps, &body, &receipt, receives).await;
+                        tracing::warn!(event = "dead_letter_retry", error = %e, receives, again_in_secs = again.as_secs());
+                    }
                     Redriven::Permanent(_) => {}
                 }
                 (id, outcome)

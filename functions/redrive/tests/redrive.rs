@@ -8,13 +8,13 @@ use std::time::{Duration, Instant};
 
 use aws_lambda_events::sqs::SqsEvent;
 use fake_captchaai::{FakeCaptchaAi, FakeConfig};
-use relay_redrive::{BatchReport, Deps};
+use relay_redrive::{BatchReport, Deps, RetryPacing};
 use relay_shared::deadletter::{DeadLetter, SqsQueue};
 use relay_shared::domain::{CaptchaId, CaptchaKind, Delivery, Outcome, Solution, Task, TaskRef, TaskState, Via};
 use relay_shared::signing::CallbackSigner;
 use relay_shared::store::{RecordOutcome, SubmitRecorded, TaskStore};
 use relay_shared::testkit::{ApiGatewayEvent, FlakyDynamo, LocalDynamo, LocalSqs, sqs_event};
-use relay_shared::time::{Clock, ManualClock, Timestamp};
+use relay_shared::time::{Clock, ManualClock, SystemClock, Timestamp};
 use secrecy::SecretString;
 
 struct World {
@@ -29,11 +29,15 @@ struct World {
 }
 
 async fn world(max_receive_count: u32) -> anyhow::Result<World> {
+    world_with(max_receive_count, 1).await
+}
+
+async fn world_with(max_receive_count: u32, visibility_secs: u32) -> anyhow::Result<World> {
     let db = LocalDynamo::start().await?;
     let table = db.fresh_store().await?;
     let flaky = FlakyDynamo::start(&db.endpoint).await?;
     let store = flaky.store(table.table());
-    let (dlq, poison) = LocalSqs::from_env()?.queue_pair(max_receive_count, 1).await?;
+    let (dlq, poison) = LocalSqs::from_env()?.queue_pair(max_receive_count, visibility_secs).await?;
     Ok(World {
         db,
         flaky,
@@ -47,7 +51,7 @@ async fn world(max_receive_count: u32) -> anyhow::Result<World> {
 
 impl World {
     fn redrive(&self) -> Deps {
-        Deps { store: self.store.clone(), poison: self.poison.clone(), concurrency: 4 }
+        Deps { store: self.store.clone(), poison: self.poison.clone(), concurrency: 4, pacing: None }
     }
 
     fn callback(&self, dead_letters: Arc<dyn relay_shared::deadletter::DeadLetterSink>) -> relay_callback::Deps {
@@ -187,6 +191,58 @@ async fn a_mixed_batch_reports_only_its_failures() -> anyhow::Result<()> {
     tokio::time::sleep(Duration::from_millis(1_200)).await;
     let left = w.dlq.receive(10, 1, 0).await?;
     assert_eq!(left.iter().map(|m| m.message_id.clone()).collect::<Vec<_>>(), failed, "successes were deleted");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_letter_whose_token_may_live_comes_back_in_seconds_not_after_the_queues_visibility() -> anyhow::Result<()> {
+    // The queue as deployed (template.yaml): 185 s visibility, 12 receives. Real time: SQS's
+    // visibility runs on moto's clock, and the function's on the system clock.
+    let (visibility, receives) = (185, 12);
+    let w = world_with(receives, visibility).await?;
+    let deps = Deps {
+        pacing: Some(RetryPacing {
+            queue: w.dlq.clone(),
+            max_receives: receives,
+            slow: Duration::from_secs(u64::from(visibility)),
+        }),
+        ..w.redrive()
+    };
+    let now = SystemClock.now();
+    let fresh = w.pending("71000030").await?;
+    let fresh_id = w.dlq.send_body(&letter_for(&fresh, "71000030", "tok-fresh", now)?.to_json()).await?;
+    // A letter whose token died long ago keeps the queue's pace.
+    let stale = w.pending("71000031").await?;
+    let stale_letter = letter_for(&stale, "71000031", "tok-stale", now.minus(Duration::from_secs(600)))?;
+    w.dlq.send_body(&stale_letter.to_json()).await?;
+
+    // The event source receives both with the queue's visibility; the store is down.
+    w.flaky.set_failing(true);
+    let got = w.dlq.receive(10, i32::try_from(visibility)?, 0).await?;
+    assert_eq!(got.len(), 2);
+    let event: SqsEvent = serde_json::from_value(sqs_event("arn:aws:sqs:us-east-1:123456789012:dlq", &got))?;
+    let failed_at = Instant::now();
+    let (resp, report) = relay_redrive::process(event, &deps).await;
+    assert_eq!((report.retried, resp.batch_item_failures.len()), (2, 2));
+    w.flaky.set_failing(false);
+
+    // The fresh letter is back after its 2 s, not 185 s; the stale one is still hidden.
+    let back = loop {
+        let got = w.dlq.receive(10, i32::try_from(visibility)?, 0).await?;
+        if !got.is_empty() {
+            break got;
+        }
+        anyhow::ensure!(failed_at.elapsed() < Duration::from_secs(15), "the fresh letter never came back");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    let waited = failed_at.elapsed();
+    assert!(waited >= Duration::from_millis(1_500), "not before its delay: {waited:?}");
+    assert_eq!(back.iter().map(|m| m.message_id.clone()).collect::<Vec<_>>(), vec![fresh_id]);
+    let event: SqsEvent = serde_json::from_value(sqs_event("arn:aws:sqs:us-east-1:123456789012:dlq", &back))?;
+    let (_, report) = relay_redrive::process(event, &deps).await;
+    assert_eq!(report.applied, 1);
+    assert!(matches!(w.state(&fresh).await, TaskState::Solved { via: Via::Redrive, .. }));
+    assert!(matches!(w.state(&stale).await, TaskState::Pending { .. }), "the stale letter waits for the queue");
     Ok(())
 }
 

@@ -46,6 +46,8 @@ pub struct Deployed {
     pub api_env: Settings,
     /// The submit queue's settings (the API's and the submitter's).
     pub queue: relay_shared::submit::QueueSettings,
+    /// The redrive function's environment: the dead-letter queue's visibility and receives.
+    pub redrive_env: Settings,
 }
 
 fn scalar(v: &serde_yaml::Value) -> Option<String> {
@@ -91,6 +93,7 @@ impl Deployed {
         };
         let poller_env = env_of("PollerFunction");
         let api_env = env_of("ApiFunction");
+        let redrive_env = env_of("RedriveFunction");
         let timeout = doc["Resources"]["PollerFunction"]["Properties"]["Timeout"]
             .as_u64()
             .context("PollerFunction has a Timeout")?;
@@ -103,6 +106,7 @@ impl Deployed {
             queue: relay_shared::submit::QueueSettings::from_settings(&api_env)?,
             poller_env,
             api_env,
+            redrive_env,
         })
     }
 }
@@ -288,11 +292,13 @@ impl World {
         let queue = match &opts.disk_queue {
             Some(dir) => {
                 std::fs::create_dir_all(dir)?;
+                // The dead-letter queue as deployed: its visibility and its receives.
+                let env = &deployed.redrive_env;
                 Some(relay_local::queue::DiskQueue::open(
                     &dir.join("dead-letters.sqlite"),
                     dyn_clock.clone(),
-                    Duration::from_secs(30),
-                    5,
+                    Duration::from_secs(env.parse_or("DEAD_LETTER_VISIBILITY_SECONDS", 185)?),
+                    env.parse_or("MAX_RECEIVE_COUNT", 12)?,
                 )?)
             }
             None => None,
