@@ -58,6 +58,14 @@ async fn main() -> anyhow::Result<std::process::ExitCode> {
     if args.no_burst {
         cfg.throttle = None;
     }
+    // The relay's own logs, for tracing one task through a run: `SIM_LOG=<file>` (filter with
+    // RUST_LOG, default info). Off by default: they cost time.
+    if let Some(path) = std::env::var_os("SIM_LOG") {
+        let file = std::fs::File::create(path)?;
+        let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::sync::Mutex::new(file)).try_init();
+    }
     eprintln!("load run: {rate} tasks/s for {} simulated s (+{} s drain)…", args.seconds, args.drain);
     let report = run(&cfg).await?;
     let violations = report.violations();
