@@ -150,19 +150,66 @@ impl Waiter {
         };
         tokio::pin!(work);
         loop {
-            // A sleep that no time ends, only a child's end (`parked`).
-            let parked = ManualSleep {
-                sim: sim.clone(),
-                at: u64::MAX,
-                parked: self.1,
-                key: None,
-                fired: Arc::new(AtomicBool::new(false)),
-            };
+            let parked =
+                Parked { sim: sim.clone(), waiter: self.1, key: None, fired: Arc::new(AtomicBool::new(false)) };
             tokio::select! {
                 biased;
                 out = &mut work => return out,
                 () = parked => {}
             }
+        }
+    }
+}
+
+/// The waiting parent's entry among the sleeps, until a child's end fires it.
+struct Parked {
+    sim: Arc<Sim>,
+    waiter: u64,
+    key: Option<(u64, u64)>,
+    fired: Arc<AtomicBool>,
+}
+
+impl Future for Parked {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        if self.fired.load(Ordering::SeqCst) {
+            self.key = None;
+            return Poll::Ready(());
+        }
+        let sim = self.sim.clone();
+        let mut st = sim.lock();
+        let key = match self.key {
+            Some(k) => k,
+            None => {
+                st.seq += 1;
+                (u64::MAX, st.seq)
+            }
+        };
+        st.waiters.insert(key, Waiter_ { waker: cx.waker().clone(), fired: self.fired.clone() });
+        st.parked.insert(self.waiter, key);
+        let new = self.key.is_none();
+        drop(st);
+        self.key = Some(key);
+        if new {
+            sim.changed.notify_waiters();
+        }
+        Poll::Pending
+    }
+}
+
+impl Drop for Parked {
+    fn drop(&mut self) {
+        if let Some(k) = self.key.take() {
+            let mut st = self.sim.lock();
+            if st.parked.get(&self.waiter) == Some(&k) {
+                st.parked.remove(&self.waiter);
+            }
+            if !self.fired.load(Ordering::SeqCst) {
+                st.waiters.remove(&k);
+            }
+            drop(st);
+            self.sim.changed.notify_waiters();
         }
     }
 }
@@ -469,9 +516,6 @@ impl ManualClock {
 struct ManualSleep {
     sim: Arc<Sim>,
     at: u64,
-    /// The [`Waiter`] this sleep stands for while it waits (0 for a plain sleep): a child's end
-    /// fires it.
-    parked: u64,
     key: Option<(u64, u64)>,
     fired: Arc<AtomicBool>,
 }
@@ -509,9 +553,6 @@ impl Future for ManualSleep {
             st.sites.insert(key, std::backtrace::Backtrace::force_capture());
         }
         st.waiters.insert(key, Waiter_ { waker: cx.waker().clone(), fired: self.fired.clone() });
-        if self.parked != 0 {
-            st.parked.insert(self.parked, key);
-        }
         let new = self.key.is_none();
         drop(st);
         self.key = Some(key);
@@ -524,20 +565,12 @@ impl Future for ManualSleep {
 
 impl Drop for ManualSleep {
     fn drop(&mut self) {
-        let Some(k) = self.key.take() else { return };
-        let fired = self.fired.load(Ordering::SeqCst);
-        if fired && self.parked == 0 {
-            return;
+        if let Some(k) = self.key.take()
+            && !self.fired.load(Ordering::SeqCst)
+        {
+            self.sim.lock().waiters.remove(&k);
+            self.sim.changed.notify_waiters();
         }
-        let mut st = self.sim.lock();
-        if self.parked != 0 && st.parked.get(&self.parked) == Some(&k) {
-            st.parked.remove(&self.parked);
-        }
-        if !fired {
-            st.waiters.remove(&k);
-        }
-        drop(st);
-        self.sim.changed.notify_waiters();
     }
 }
 
@@ -550,7 +583,6 @@ impl Clock for ManualClock {
         Box::pin(ManualSleep {
             sim: self.0.clone(),
             at: t.as_millis(),
-            parked: 0,
             key: None,
             fired: Arc::new(AtomicBool::new(false)),
         })
