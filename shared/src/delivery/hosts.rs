@@ -31,7 +31,7 @@ use tokio::sync::mpsc;
 
 use super::DeliverySettings;
 use crate::store::TaskStore;
-use crate::store::hosts::{HostRecord, Slot, SlotWrite};
+use crate::store::hosts::{HostRecord, Slot, SlotWrite, item_of};
 use crate::time::{Busy, Clock, Timestamp};
 
 /// The limit a host starts with (or the ceiling, if lower).
@@ -200,8 +200,15 @@ impl GateState {
             .min()
     }
 
-    fn merge(&mut self, record: HostRecord) {
-        self.record = record;
+    /// Takes in a write's answer: the slots of the written slot's item (the record is spread
+    /// over items, see [`crate::store::hosts`]), and the limit when the answer read it.
+    fn merge(&mut self, record: HostRecord, slot: u32) {
+        let item = item_of(slot);
+        self.record.slots.retain(|i, _| item_of(*i) != item);
+        self.record.slots.extend(record.slots);
+        if record.limit.is_some() {
+            (self.record.limit, self.record.limit_at) = (record.limit, record.limit_at);
+        }
     }
 
     fn wake_head(&mut self, clock: &dyn Clock) {
@@ -309,13 +316,13 @@ impl Gate {
                     let initial = INITIAL_LIMIT.min(s.per_host_concurrency);
                     match store.take_host_slot(&self.host, slot, now, until, initial).await {
                         Ok(SlotWrite::Done(record)) => {
-                            self.lock().merge(record);
+                            self.lock().merge(record, slot);
                             return Some(self.permit(slot, until, now, waited, false));
                         }
                         Ok(SlotWrite::Refused(record)) => {
                             let mut st = self.lock();
                             st.mine.remove(&slot);
-                            st.merge(record);
+                            st.merge(record, slot);
                             if st.record.slots.get(&slot).is_none_or(|sl| sl.until <= now) {
                                 // Refused, yet the answer shows it free (the item changed under
                                 // us): keep off it a moment rather than ask again at once.
@@ -436,7 +443,7 @@ impl Gate {
                     let next = {
                         let mut st = self.lock();
                         if !permit.local_only {
-                            st.merge(record);
+                            st.merge(record, slot);
                         } else {
                             st.record.slots.insert(slot, Slot { until, began: Some(free_at) });
                         }
@@ -458,7 +465,7 @@ impl Gate {
                     // Not ours any more (the lease lapsed): the waiter looks again.
                     let mut st = self.lock();
                     st.mine.remove(&slot);
-                    st.merge(record);
+                    st.merge(record, slot);
                     let _ = tx.send(Wake::Retry(clock.busy()));
                     st.waiting.insert(key, tx);
                     return;
@@ -488,7 +495,7 @@ impl Gate {
         let mut st = self.lock();
         st.mine.remove(&slot);
         match record {
-            Some(r) => st.merge(r),
+            Some(r) => st.merge(r, slot),
             None => {
                 st.record.slots.insert(slot, Slot { until: free_at, began: None });
             }
@@ -554,7 +561,7 @@ mod tests {
         let db = LocalDynamo::start().await?;
         let store = db.fresh_store().await?;
         let clock = ManualClock::at(Timestamp::from_millis(1_000_000));
-        let s = settings(32, 1_000);
+        let s = settings(64, 1_000);
         let gates = HostGates::default();
         let gate = gates.gate("owner.example");
         let c: &dyn Clock = &clock;
@@ -605,6 +612,37 @@ mod tests {
             }
         }
         assert_eq!(held.len(), 3, "the shared record's ceiling holds across processes");
+        Ok(())
+    }
+
+    /// The record is spread over items of 32 slots: a ceiling of 40 spans two, and two
+    /// processes together still hold exactly 40 (each process learns the other's slots only
+    /// from the answers of the items it writes).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_ceiling_holds_across_the_records_items() -> anyhow::Result<()> {
+        let db = LocalDynamo::start().await?;
+        let store = db.fresh_store().await?;
+        let clock = ManualClock::at(Timestamp::from_millis(1_000_000));
+        let s = settings(40, 1_000);
+        let (a, b) = (HostGates::default(), HostGates::default());
+        let c: &dyn Clock = &clock;
+        let far = clock.now().plus(Duration::from_secs(60));
+        let mut held = Vec::new();
+        // Each round both processes ask 8 times; then the held requests turn slow and stop
+        // counting against the limit (8), so the next round may start more, up to the ceiling.
+        for _ in 0..6 {
+            for gates in [&a, &b].repeat(8) {
+                if let Some(p) = gates.gate("h").acquire(&store, far, clock.now(), c, &s).await {
+                    held.push(p);
+                }
+            }
+            clock.advance(SLOW_AFTER);
+        }
+        assert_eq!(held.len(), 40, "the ceiling holds across processes and items");
+        let record = store.host_record("h").await?;
+        let items: BTreeSet<u32> = record.held(clock.now()).map(|(i, _)| item_of(i)).collect();
+        assert_eq!(items, BTreeSet::from([0, 1]), "both items hold slots");
+        assert_eq!(record.held(clock.now()).count(), 40);
         Ok(())
     }
 }
