@@ -13,7 +13,10 @@
 //! write that also counts the read against the task's budget, before it is made), reads it and
 //! records the answer as it arrives. A read is started only if it and its write can finish
 //! before the invocation's deadline, so nothing is left half done; a task whose claim cannot be
-//! used is released. An account-wide breaker, kept in the table, stops every read — in this and
+//! used is released. A batch's result writes slowed by throttling can still outlast that
+//! allowance: at its hard end (the deadline less half the safety margin) the invocation stops
+//! waiting for them (`reads_abandoned`; their claims lapse and the tasks are read again), so it
+//! never runs into Lambda's timeout. An account-wide breaker, kept in the table, stops every read — in this and
 //! every other invocation, and in the API's submits — for a ban's documented duration.
 //!
 //! Every wait goes through a [`Clock`], so tests run hours of this, with the template's
@@ -193,6 +196,11 @@ pub struct TickReport {
     pub lost_claims: u64,
     /// Claims given back unread (the breaker opened, or time ran out).
     pub released: u64,
+    /// Reads still running at the invocation's hard end (deadline − half the safety margin),
+    /// abandoned there: their claims lapse and the tasks are read again. A read's result
+    /// writes, slowed by throttling, can outlast its allowance; the invocation still ends in
+    /// time instead of being killed by Lambda.
+    pub reads_abandoned: u64,
     pub errors: u64,
     /// The server answered a batch read in a way that says it does not take `ids=`.
     pub batch_unsupported: bool,
@@ -402,6 +410,7 @@ pub async fn run_invocation(deps: &Deps, clock: Arc<dyn Clock>, deadline: Timest
     let s = &deps.settings;
     let start = clock.now();
     let read_until = start.plus(s.window).min(deadline.minus(s.safety_margin + s.read_allowance()));
+    let hard_end = deadline.minus(s.safety_margin / 2);
     let shared = Arc::new(Shared::default());
     let mut limiter = RateLimiter::new(s.requests_per_second, deps.store.clone());
     let mut report = TickReport::default();
@@ -410,7 +419,7 @@ pub async fn run_invocation(deps: &Deps, clock: Arc<dyn Clock>, deadline: Timest
             break;
         }
         report.passes += 1;
-        let next = pass(deps, &clock, read_until, &shared, &mut limiter, &mut report).await;
+        let next = pass(deps, &clock, read_until, hard_end, &shared, &mut limiter, &mut report).await;
         if report.res_php_requests >= s.max_reads_per_invocation {
             report.stopped_early = true;
             break;
@@ -495,10 +504,12 @@ impl<'a> DueStream<'a> {
 
 /// One pass: every task due now, oldest first, until time or the breaker stops it. Reads start
 /// only before `read_until`. Returns when the poller next has work (`None`: no open task).
+#[allow(clippy::too_many_arguments)]
 async fn pass(
     deps: &Deps,
     clock: &Arc<dyn Clock>,
     read_until: Timestamp,
+    hard_end: Timestamp,
     shared: &Arc<Shared>,
     limiter: &mut RateLimiter,
     report: &mut TickReport,
@@ -527,7 +538,7 @@ async fn pass(
     }
 
     let mut stream = DueStream::new(&deps.store, now, s.page_size);
-    let mut inflight = Reads::new(clock.as_ref());
+    let mut inflight = Reads::new(clock.clone(), hard_end);
     let mut batch: Vec<(DueTask, CaptchaId, bool)> = Vec::new();
     let mut work_left = false;
     while let Some(due) = stream.next().await {
@@ -667,15 +678,35 @@ async fn start_batch(
 }
 
 /// Reads in flight, each holding a busy guard of its own; the invocation counts as asleep
-/// while it waits for them (see [`Waiter`]).
+/// while it waits for them (see [`Waiter`]). Waiting ends at `hard_end`: reads still running
+/// then are abandoned (their claims lapse), so the invocation ends before its deadline.
 struct Reads {
     set: tokio::task::JoinSet<Vec<Applied>>,
     waiter: Waiter,
+    /// Turns true at the hard end. Told by a timer that is one more child of the waiter (its
+    /// guard wakes the waiting invocation as it ends), not by a sleep inside the wait: a second
+    /// sleep of the waiting invocation would count it asleep twice on a simulated clock.
+    ended: tokio::sync::watch::Receiver<bool>,
+    timer: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Reads {
+    fn drop(&mut self) {
+        self.timer.abort();
+    }
 }
 
 impl Reads {
-    fn new(clock: &dyn Clock) -> Self {
-        Self { set: tokio::task::JoinSet::new(), waiter: clock.waiter() }
+    fn new(clock: Arc<dyn Clock>, hard_end: Timestamp) -> Self {
+        let waiter = clock.waiter();
+        let (tell, ended) = tokio::sync::watch::channel(false);
+        let busy = waiter.busy();
+        let timer = tokio::spawn(async move {
+            let _busy = busy;
+            clock.sleep_until(hard_end).await;
+            let _ = tell.send(true);
+        });
+        Self { set: tokio::task::JoinSet::new(), waiter, ended, timer }
     }
 
     fn spawn(&mut self, read: impl Future<Output = Vec<Applied>> + Send + 'static) {
@@ -693,10 +724,36 @@ impl Reads {
         }
     }
 
-    /// Takes one read's result, waiting for it. `false` if none is in flight.
+    /// Takes one read's result, waiting for it until the hard end. `false` if none is in
+    /// flight (any left at the hard end are abandoned).
     async fn take_one(&mut self, report: &mut TickReport) -> bool {
-        let Some(done) = self.waiter.wait(self.set.join_next()).await else {
-            return false;
+        let Self { set, waiter, ended, .. } = self;
+        let done = waiter
+            .wait(async {
+                tokio::select! {
+                    biased;
+                    _ = ended.wait_for(|e| *e) => None,
+                    done = set.join_next() => Some(done),
+                }
+            })
+            .await;
+        let done = match done {
+            Some(Some(done)) => done,
+            Some(None) => return false,
+            None => {
+                let left = set.len() as u64;
+                if left > 0 {
+                    tracing::warn!(
+                        event = "poll_reads_abandoned",
+                        reads = left,
+                        "reads still running at the invocation's end: their claims lapse and the tasks are read again"
+                    );
+                    report.reads_abandoned += left;
+                    // Aborted, they end without the clock: wait for them holding it still.
+                    set.shutdown().await;
+                }
+                return false;
+            }
         };
         match done {
             Ok(applied) => applied.into_iter().for_each(|a| report.add(a)),
@@ -726,6 +783,7 @@ fn emit_metrics(r: &TickReport) {
         metrics::counter!("res_php_answers", "outcome" => outcome).increment(n);
     }
     metrics::counter!("poll_expired").increment(r.expired);
+    metrics::counter!("poll_reads_abandoned").increment(r.reads_abandoned);
     metrics::counter!("poll_last_reads").increment(r.last_reads);
     metrics::counter!("late_results_kept", "via" => "poll").increment(r.late_kept);
     metrics::counter!("poll_errors").increment(r.errors);
@@ -754,6 +812,7 @@ fn log_report(r: &TickReport) {
         dead_lettered = r.dead_lettered,
         lost_claims = r.lost_claims,
         released = r.released,
+        reads_abandoned = r.reads_abandoned,
         errors = r.errors,
         batch_unsupported = r.batch_unsupported,
         breaker_open = r.breaker_open,
@@ -1002,6 +1061,40 @@ async fn record(deps: &Deps, now: Timestamp, due: &DueTask, outcome: Outcome) ->
 mod tests {
     use super::*;
     use relay_shared::domain::{CaptchaKind, Task, TaskRef, TaskState};
+
+    /// Reads still running at the invocation's hard end are abandoned there, on the clock the
+    /// invocation runs on: the wait ends at the hard end, not when the slow read would.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn reads_still_running_at_the_hard_end_are_abandoned() {
+        let clock = relay_shared::time::ManualClock::at(Timestamp::from_millis(0));
+        let hard_end = Timestamp::from_millis(74_000);
+        let (c, parent_busy): (Arc<dyn Clock>, _) = (Arc::new(clock.clone()), clock.busy());
+        let parent = tokio::spawn(async move {
+            let _busy = parent_busy;
+            let mut reads = Reads::new(c.clone(), hard_end);
+            // One read done at 10 s, one whose writes back off until 200 s.
+            for at in [10_000u64, 200_000] {
+                let c = c.clone();
+                reads.spawn(async move {
+                    c.sleep_until(Timestamp::from_millis(at)).await;
+                    vec![Applied::Recovered]
+                });
+            }
+            let mut report = TickReport::default();
+            let mut ends = Vec::new();
+            while reads.take_one(&mut report).await {
+                ends.push(c.now().as_millis());
+            }
+            ends.push(c.now().as_millis());
+            (ends, report)
+        });
+        tokio::time::timeout(Duration::from_secs(20), clock.run_until(Timestamp::from_millis(300_000)))
+            .await
+            .expect("the clock runs");
+        let (ends, report) = parent.await.expect("the invocation ends");
+        assert_eq!(ends, vec![10_000, 74_000], "one read taken at 10 s, the wait given up at the hard end");
+        assert_eq!((report.recovered, report.reads_abandoned), (1, 1), "{report:?}");
+    }
 
     /// Two invocations reading at once, each pacing itself at the rate template.yaml deploys:
     /// the shared budget keeps every second of the pair at that rate, and both make progress.
