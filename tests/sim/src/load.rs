@@ -371,6 +371,24 @@ impl LoadReport {
                 p.second.saturating_sub(EPOCH.as_millis() / 1000)
             ));
         }
+        out.push_str("\nthe hottest key of each kind (peak WCU in one simulated second):\n");
+        let mut kinds: std::collections::BTreeMap<String, (f64, String, u64)> = std::collections::BTreeMap::new();
+        for (k, p) in &self.meter.max_wcu {
+            let family = k.family();
+            let family = family.split_once(" key=").map_or(family.clone(), |(index, _)| format!("{index} key=…"));
+            let e = kinds.entry(family).or_insert((0.0, String::new(), 0));
+            if p.units > e.0 {
+                *e = (p.units, k.to_string(), p.second);
+            }
+        }
+        let mut kinds: Vec<_> = kinds.into_iter().filter(|(f, _)| !f.contains("<task ref>")).collect();
+        kinds.sort_by(|a, b| b.1.0.total_cmp(&a.1.0));
+        for (family, (units, key, second)) in kinds.into_iter().take(12) {
+            out.push_str(&format!(
+                "  WCU {units:>7.0}  {family}: {key}  (+{} s)\n",
+                second.saturating_sub(EPOCH.as_millis() / 1000)
+            ));
+        }
         out.push_str("\nwho writes the hottest shared keys (requests in the run, by code path):\n");
         for (k, p) in self.meter.top_writes(12).into_iter().filter(|(k, _)| self.meter.writers.contains_key(k)).take(5)
         {
