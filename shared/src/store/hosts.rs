@@ -29,7 +29,7 @@ pub const HOST_PREFIX: &str = "host#";
 /// The most slots a host record has (`DELIVERY_PER_HOST_CONCURRENCY` is at most this).
 pub const MAX_SLOTS: u32 = 256;
 /// Slots kept in one item: 32 slots of two numbers each, with the key and the limit, stay under
-/// 1 KB for any host name up to 200 characters (`an_item_of_slots_stays_under_one_kb`).
+/// 1 KB for any host name up to 200 characters (test `slots_spread_over_items_of_one_wcu`).
 pub const SLOTS_PER_ITEM: u32 = 32;
 /// A host record outlives its last use by this long (then DynamoDB's TTL deletes it): as long
 /// as the tasks it served are kept (`RETENTION_DAYS`' default).
