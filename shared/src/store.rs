@@ -974,16 +974,23 @@ impl TaskStore {
             .table_name(&self.table)
             .key(attr::PK, s(task_ref.as_ref()))
             .update_expression(format!(
-                "SET late_code = :code, late_at = :at, late_via = :via, late_clock = :clock, {DELIVERY_DUE} \
-                 REMOVE {DELIVERY_CLEAR}"
+                "SET late_code = :code, late_at = :at, late_via = :via, late_clock = :clock, \
+                 captcha_id = :id, {DELIVERY_DUE} REMOVE {DELIVERY_CLEAR}"
             ))
-            .condition_expression("#state = :expired AND attribute_not_exists(late_code) AND resolved_at < :at")
+            // The id, as the state machine keeps it: a task that expired before in.php's answer
+            // came learns its id from the result (one it had is the same: a mismatch is refused
+            // before this).
+            .condition_expression(
+                "#state = :expired AND attribute_not_exists(late_code) AND resolved_at < :at \
+                 AND (attribute_not_exists(captcha_id) OR captcha_id = :id)",
+            )
             .expression_attribute_names("#state", attr::STATE)
             .expression_attribute_values(":expired", s("expired"))
             .expression_attribute_values(":code", s(&code))
             .expression_attribute_values(":at", n(d.received_at.as_millis()))
             .expression_attribute_values(":via", s(d.via.as_str()))
             .expression_attribute_values(":clock", n(d.token_clock_start.as_millis()))
+            .expression_attribute_values(":id", s(d.captcha_id.as_ref()))
             .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld);
         let res = delivery_due(res, d.received_at).send().await;
         match res {
