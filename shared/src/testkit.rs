@@ -189,6 +189,15 @@ impl LocalSqs {
         sqs_client_for(&self.endpoint)
     }
 
+    /// A store over a new table on moto's DynamoDB (the same server): the store's tests on the
+    /// second engine, which refuses what the embedded one may let pass.
+    pub async fn fresh_store(&self, prefix: &str) -> anyhow::Result<crate::store::TaskStore> {
+        let table = format!("{prefix}-{}", uuid::Uuid::new_v4().simple());
+        let client = client_for(&self.endpoint);
+        crate::store::schema::create_table(&client, &table).await?;
+        Ok(crate::store::TaskStore::new(client, table, std::time::Duration::from_secs(86_400)))
+    }
+
     /// A fresh dead-letter queue and its poison queue, wired with a redrive policy.
     pub async fn queue_pair(
         &self,

@@ -364,12 +364,11 @@ impl TaskStore {
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
 
     use super::*;
     use crate::domain::{CaptchaId, CaptchaKind, Delivery, Outcome, Solution, Via};
-    use crate::store::{Created, RecordOutcome, SubmitRecorded, schema};
-    use crate::testkit::{LocalDynamo, LocalSqs, client_for};
+    use crate::store::{Created, RecordOutcome, SubmitRecorded};
+    use crate::testkit::{LocalDynamo, LocalSqs};
 
     fn t(ms: u64) -> Timestamp {
         Timestamp::from_millis(ms)
@@ -531,11 +530,7 @@ mod tests {
     /// uses, for one): every write above, again on moto.
     #[tokio::test]
     async fn the_life_of_a_push_on_moto() -> anyhow::Result<()> {
-        let moto = LocalSqs::from_env()?.endpoint;
-        let table = format!("dlv-{}", uuid::Uuid::new_v4().simple());
-        let client = client_for(&moto);
-        schema::create_table(&client, &table).await?;
-        the_life_of_a_push(TaskStore::new(client, table, Duration::from_secs(86_400))).await;
+        the_life_of_a_push(LocalSqs::from_env()?.fresh_store("dlv").await?).await;
         Ok(())
     }
 }

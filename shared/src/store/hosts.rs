@@ -316,11 +316,8 @@ impl TaskStore {
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use super::*;
-    use crate::store::schema;
-    use crate::testkit::{LocalDynamo, LocalSqs, client_for};
+    use crate::testkit::{LocalDynamo, LocalSqs};
 
     fn t(ms: u64) -> Timestamp {
         Timestamp::from_millis(ms)
@@ -479,11 +476,7 @@ mod tests {
 
     #[tokio::test]
     async fn slots_spread_over_items_of_one_wcu_on_moto() -> anyhow::Result<()> {
-        let moto = LocalSqs::from_env()?.endpoint;
-        let table = format!("hosts-{}", uuid::Uuid::new_v4().simple());
-        let client = client_for(&moto);
-        schema::create_table(&client, &table).await?;
-        slots_spread_over_items_of_one_wcu(TaskStore::new(client, table, Duration::from_secs(86_400))).await;
+        slots_spread_over_items_of_one_wcu(LocalSqs::from_env()?.fresh_store("hosts").await?).await;
         Ok(())
     }
 
@@ -496,11 +489,7 @@ mod tests {
 
     #[tokio::test]
     async fn slots_are_leases_on_moto() -> anyhow::Result<()> {
-        let moto = LocalSqs::from_env()?.endpoint;
-        let table = format!("hosts-{}", uuid::Uuid::new_v4().simple());
-        let client = client_for(&moto);
-        schema::create_table(&client, &table).await?;
-        slots_are_leases(TaskStore::new(client, table, Duration::from_secs(86_400))).await;
+        slots_are_leases(LocalSqs::from_env()?.fresh_store("hosts").await?).await;
         Ok(())
     }
 }
