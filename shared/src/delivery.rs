@@ -33,6 +33,11 @@ use crate::time::{Busy, Clock, Timestamp};
 use crate::webhook::{AttemptResult, Outgoing, Sender, SigningKeys, UrlPolicy};
 use hosts::{HostGates, Signal};
 
+/// How long the sweep waits after a pass that met a store failure, the 1st, 2nd, … time in a
+/// row (the last one again after that).
+pub const SWEEP_TROUBLE_WAITS: [Duration; 4] =
+    [Duration::from_secs(1), Duration::from_secs(2), Duration::from_secs(4), Duration::from_secs(8)];
+
 /// The push's limits and schedule.
 #[derive(Debug, Clone)]
 pub struct DeliverySettings {
@@ -394,6 +399,10 @@ impl Deliverer {
     /// time — waits for the next one to fall due (a retry, a lapsing claim of a worker that
     /// died) and takes that too, looking again at least every 10 s; it ends at once when
     /// nothing will fall due before `deadline` (a request and its writes must fit before it).
+    /// A store failure does not end it: it looks again after [`SWEEP_TROUBLE_WAITS`] (1 s,
+    /// 2 s, 4 s, then every 8 s) for as long as its invocation has time. The sweep is what
+    /// takes the pushes whose stream record or retry message met the store's trouble, and a
+    /// token in one of them has a minute or two to live, not until the next sweep.
     pub async fn sweep(self: &Arc<Self>, clock: Arc<dyn Clock>, deadline: Timestamp) -> SweepReport {
         let busy = clock.busy();
         self.sweep_held(clock, deadline, busy).await.0
@@ -409,7 +418,10 @@ impl Deliverer {
     ) -> (SweepReport, Busy) {
         let mut report = SweepReport::default();
         let margin = self.settings.lease();
+        // Passes in a row that met a store failure.
+        let mut trouble = 0usize;
         loop {
+            let errors_before = report.errors;
             loop {
                 let now = clock.now();
                 if now.plus(margin) > deadline {
@@ -421,8 +433,8 @@ impl Deliverer {
                 }
                 let (_, b) = self.deliver_all(batch, &clock, &mut report, busy).await;
                 busy = b;
-                if report.errors > 0 && !report.did_work() {
-                    // Only failures: the store is in trouble; the next sweep tries again.
+                if report.errors > errors_before {
+                    // The store is in trouble: wait before the next pass (below).
                     break;
                 }
             }
@@ -436,13 +448,26 @@ impl Deliverer {
                 }
             };
             report.oldest_due_secs = oldest.map_or(0, |t| now.since(t).as_secs());
-            match oldest {
-                Some(t) if t.max(now).plus(margin) <= deadline && report.errors == 0 => {
-                    let at = t.max(now.plus(Duration::from_millis(200))).min(now.plus(Duration::from_secs(10)));
-                    clock.sleep_until(at).await;
+            let at = if report.errors > errors_before {
+                // Whatever failed is still due in the index (a claim that was made lapses with
+                // its lease): the next pass takes it, once the store has had a moment.
+                let wait = SWEEP_TROUBLE_WAITS[trouble.min(SWEEP_TROUBLE_WAITS.len() - 1)];
+                trouble += 1;
+                now.plus(wait)
+            } else {
+                trouble = 0;
+                match oldest {
+                    // Nothing falls due while a request and its writes still fit: done.
+                    Some(t) if t.max(now).plus(margin) <= deadline => {
+                        t.max(now.plus(Duration::from_millis(200))).min(now.plus(Duration::from_secs(10)))
+                    }
+                    _ => break,
                 }
-                _ => break,
+            };
+            if at.plus(margin) > deadline {
+                break;
             }
+            clock.sleep_until(at).await;
         }
         self.log_hosts(clock.now());
         (report, busy)

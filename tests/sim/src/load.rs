@@ -403,9 +403,10 @@ impl LoadReport {
         let mut thr: Vec<(&crate::partitions::PartKey, &u64)> = self.meter.throttled.iter().collect();
         thr.sort_by(|a, b| b.1.cmp(a.1));
         if !thr.is_empty() {
-            out.push_str("\nthrottled requests by key:\n");
+            out.push_str("\nthrottled requests by key (in the injected minute / at DynamoDB's own limits):\n");
             for (k, n) in thr.iter().take(8) {
-                out.push_str(&format!("  {n:>7}  {k}\n"));
+                let own = self.meter.throttled_at_full_limits.get(*k).copied().unwrap_or(0);
+                out.push_str(&format!("  {:>7} / {own:>5}  {k}\n", **n - own));
             }
         }
         out.push_str("\nsettings on top of the template's:\n");

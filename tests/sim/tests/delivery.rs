@@ -1,6 +1,6 @@
 //! Push delivery to owners' callbacks on the simulated clock, with the template's delivery
 //! settings and local mode's worker loop (told of each result by the store as it is written,
-//! retries on their schedule, a catch-up pass every 5 s). Two runs:
+//! retries on their schedule, a catch-up pass every 5 s). Three runs:
 //!
 //! - **The token's clock** (issue 23): 500 tasks, most carrying tokens (reCAPTCHA/hCaptcha 120 s,
 //!   Turnstile 300 s), solved by the CaptchaAI-like fake (realistic solve times, 20 % of
@@ -15,6 +15,9 @@
 //!   then failing by pattern (500 twice, 429 with `Retry-After: 120`, hangs, 410, 503 for
 //!   ever), the worker killed and restarted; 22 h simulated so the standard schedule runs out
 //!   and the endpoint that never recovers is parked, listed and replayed.
+//! - **The sweep through a store outage**: the delivery function's scheduled sweep (the net for
+//!   pushes whose stream record or retry message met a store failure) meets 5 s in which every
+//!   store call fails, and must still push every result within the same invocation.
 //!
 //! Request timeouts, hangs and slow answers all take simulated time: the sender's limit is on
 //! the worker's clock, the receiver's waits on the same clock.
@@ -440,5 +443,79 @@ async fn a_thousand_results_reach_a_failing_receiver_or_are_parked_and_listed() 
     let again: BTreeSet<String> = receiver.hits()[before..].iter().map(|h| h.path.clone()).collect();
     assert_eq!(again.len(), 50, "every parked push was sent again");
     assert!(again.iter().all(|p| p.starts_with("/never/")));
+    Ok(())
+}
+
+/// The deployed delivery function's timeout, read from template.yaml.
+fn delivery_timeout() -> anyhow::Result<Duration> {
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../template.yaml"))?;
+    let t: serde_yaml::Value = serde_yaml::from_str(&text)?;
+    let secs = t["Resources"]["DeliveryFunction"]["Properties"]["Timeout"]
+        .as_u64()
+        .ok_or_else(|| anyhow::anyhow!("no Timeout on DeliveryFunction"))?;
+    Ok(Duration::from_secs(secs))
+}
+
+/// The scheduled sweep is the net for pushes whose stream record or retry message met a store
+/// failure, and those carry tokens with a minute or two to live: a sweep that meets the store's
+/// trouble must keep looking through its invocation, not leave them to the next one a minute
+/// later. Here every store call fails for the sweep's first 5 s; the same invocation (the
+/// template's 60 s, less the 2 s the handler keeps) must still push every result, alive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sweep_that_meets_a_store_outage_keeps_going_through_its_invocation() -> anyhow::Result<()> {
+    let opts = Options { flaky_relay_store: true, ..Options::default() };
+    let w = World::start_with(FakeConfig { drop_callbacks: 0.0, ..FakeConfig::captchaai_like() }, opts).await?;
+    let clock: Arc<dyn Clock> = Arc::new(w.clock.clone());
+    let receiver = Receiver::start(clock.clone()).await?;
+    let (_, secret) = WebhookSecret::generate();
+    let plan: Vec<(String, CaptchaKind)> =
+        (0..20).map(|i| (format!("{}/ok/{i}", receiver.base_url), CaptchaKind::Turnstile)).collect();
+    let submitted = submit_all(&w, clock.clone(), plan, "outage");
+    // No worker runs: every result waits, due, in the index.
+    let mut tasks = Vec::new();
+    for _ in 0..60 {
+        w.run_for(Duration::from_secs(5)).await;
+        let s = submitted.lock().map(|s| s.clone()).unwrap_or_default();
+        tasks = stored(&w.store, &s).await?;
+        if s.len() == 20 && tasks.iter().all(|(t, _)| t.state.is_final()) {
+            break;
+        }
+    }
+    assert_eq!(tasks.len(), 20, "every task was accepted");
+    for (t, _) in &tasks {
+        assert!(t.state.is_final(), "{} is still {}", t.task_ref, t.state.name());
+        assert_eq!(t.delivery.clone().unwrap_or_default().status, DeliveryStatus::Pending, "{}", t.task_ref);
+    }
+    assert!(receiver.hits().is_empty(), "nothing pushed before the sweep");
+
+    let flaky = w.flaky.as_ref().ok_or_else(|| anyhow::anyhow!("no fault injector"))?;
+    let store = flaky.store(w.store.table()).with_shards(w.store.shards()).with_queue_shards(w.store.queue_shards());
+    let d = Arc::new(Deliverer::new(
+        store.clone(),
+        KeySource::new(SigningKeys::parse_list(&secret)?, Some(store)),
+        template_settings()?,
+    )?);
+    flaky.set_failing(true);
+    let start = w.clock.now();
+    let deadline = start.plus(delivery_timeout()?.saturating_sub(Duration::from_secs(2)));
+    let (c2, busy) = (clock.clone(), clock.busy());
+    let sweep = tokio::spawn(async move { d.sweep_held(c2, deadline, busy).await.0 });
+    // The world runs the invocation's minute; the store heals after 5 s.
+    while w.clock.now() < start.plus(Duration::from_secs(60)) {
+        tokio::time::timeout(Duration::from_secs(120), w.run_for(Duration::from_secs(1)))
+            .await
+            .map_err(|_| anyhow::anyhow!("the sweep's minute stalled"))?;
+        if w.clock.now() >= start.plus(Duration::from_secs(5)) {
+            flaky.set_failing(false);
+        }
+    }
+    let report = sweep.await?;
+    eprintln!("{report:?}; calls failed {}", flaky.calls_failed());
+    assert!(flaky.calls_failed() > 0 && report.errors > 0, "the outage reached the sweep: {report:?}");
+    assert_eq!(report.delivered, 20, "the same invocation pushed every result: {report:?}");
+    let s = submitted.lock().map(|s| s.clone()).unwrap_or_default();
+    let c = check_pushes(&stored(&w.store, &s).await?, &receiver.hits(), Duration::from_secs(300));
+    assert_eq!(c.delivered, 20, "{:?}", c.owed);
+    assert!(c.pushed_after_death.is_empty(), "{:?}", c.pushed_after_death);
     Ok(())
 }
