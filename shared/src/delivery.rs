@@ -33,10 +33,14 @@ use crate::time::{Busy, Clock, Timestamp};
 use crate::webhook::{AttemptResult, Outgoing, Sender, SigningKeys, UrlPolicy};
 use hosts::{HostGates, Signal};
 
-/// How long the sweep waits after a pass that met a store failure, the 1st, 2nd, … time in a
-/// row (the last one again after that).
-pub const SWEEP_TROUBLE_WAITS: [Duration; 4] =
-    [Duration::from_secs(1), Duration::from_secs(2), Duration::from_secs(4), Duration::from_secs(8)];
+/// The sweep waits after a pass that met a store failure this long, doubled each time in a row,
+/// up to [`SWEEP_TROUBLE_MAX_WAIT`]: 1 s, 2 s, 4 s, then every 8 s.
+pub const SWEEP_TROUBLE_WAIT: Duration = Duration::from_secs(1);
+pub const SWEEP_TROUBLE_MAX_WAIT: Duration = Duration::from_secs(8);
+
+/// What the delivery function keeps of its invocation's time after the sweep's deadline (its
+/// report and metrics).
+pub const SWEEP_END_MARGIN: Duration = Duration::from_secs(2);
 
 /// The push's limits and schedule.
 #[derive(Debug, Clone)]
@@ -269,11 +273,6 @@ impl SweepReport {
         }
     }
 
-    /// Whether anything was pushed or decided.
-    pub fn did_work(&self) -> bool {
-        self.delivered + self.retried + self.parked + self.gone + self.already_delivered > 0
-    }
-
     /// The metrics the template's alarms and dashboard read.
     pub fn emit(&self) {
         metrics::counter!("deliveries_delivered").increment(self.delivered);
@@ -399,7 +398,7 @@ impl Deliverer {
     /// time — waits for the next one to fall due (a retry, a lapsing claim of a worker that
     /// died) and takes that too, looking again at least every 10 s; it ends at once when
     /// nothing will fall due before `deadline` (a request and its writes must fit before it).
-    /// A store failure does not end it: it looks again after [`SWEEP_TROUBLE_WAITS`] (1 s,
+    /// A store failure does not end it: it looks again after [`SWEEP_TROUBLE_WAIT`] (1 s,
     /// 2 s, 4 s, then every 8 s) for as long as its invocation has time. The sweep is what
     /// takes the pushes whose stream record or retry message met the store's trouble, and a
     /// token in one of them has a minute or two to live, not until the next sweep.
@@ -419,7 +418,7 @@ impl Deliverer {
         let mut report = SweepReport::default();
         let margin = self.settings.lease();
         // Passes in a row that met a store failure.
-        let mut trouble = 0usize;
+        let mut trouble = 0u32;
         loop {
             let errors_before = report.errors;
             loop {
@@ -451,9 +450,8 @@ impl Deliverer {
             let at = if report.errors > errors_before {
                 // Whatever failed is still due in the index (a claim that was made lapses with
                 // its lease): the next pass takes it, once the store has had a moment.
-                let wait = SWEEP_TROUBLE_WAITS[trouble.min(SWEEP_TROUBLE_WAITS.len() - 1)];
                 trouble += 1;
-                now.plus(wait)
+                now.plus(crate::retry::backoff_delay(trouble, SWEEP_TROUBLE_WAIT, SWEEP_TROUBLE_MAX_WAIT))
             } else {
                 trouble = 0;
                 match oldest {

@@ -118,7 +118,7 @@ pub async fn handle(
 ) -> Result<SweepReport, lambda_runtime::Error> {
     let now = clock.now();
     let remaining = relay_shared::time_left(event.context.deadline, now);
-    let deadline = now.plus(remaining.saturating_sub(Duration::from_secs(2)));
+    let deadline = now.plus(remaining.saturating_sub(relay_shared::delivery::SWEEP_END_MARGIN));
     let report = if is_sqs(&event.payload) {
         // A retry message: its push was due when it became visible. A store failure leaves the
         // push due in the index, where the sweep finds it; the message is not retried.

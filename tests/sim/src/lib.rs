@@ -38,6 +38,8 @@ pub struct Deployed {
     pub poller: PollerSettings,
     /// The poller function's timeout: each invocation's hard deadline.
     pub poller_timeout: Duration,
+    /// The delivery function's timeout (its sweep's invocation).
+    pub delivery_timeout: Duration,
     /// Time between scheduled poller invocations.
     pub schedule_every: Duration,
     /// The first read per kind (the API function's `CALLBACK_GRACE_SECS…`).
@@ -94,13 +96,17 @@ impl Deployed {
         let poller_env = env_of("PollerFunction");
         let api_env = env_of("ApiFunction");
         let redrive_env = env_of("RedriveFunction");
-        let timeout = doc["Resources"]["PollerFunction"]["Properties"]["Timeout"]
-            .as_u64()
-            .context("PollerFunction has a Timeout")?;
+        let timeout_of = |function: &str| -> anyhow::Result<Duration> {
+            let secs = doc["Resources"][function]["Properties"]["Timeout"]
+                .as_u64()
+                .with_context(|| format!("{function} has a Timeout"))?;
+            Ok(Duration::from_secs(secs))
+        };
         let minutes: u64 = scalar(&params["PollScheduleMinutes"]["Default"]).context("PollScheduleMinutes")?.parse()?;
         Ok(Self {
             poller: PollerSettings::from_settings(&poller_env)?,
-            poller_timeout: Duration::from_secs(timeout),
+            poller_timeout: timeout_of("PollerFunction")?,
+            delivery_timeout: timeout_of("DeliveryFunction")?,
             schedule_every: Duration::from_secs(60 * minutes),
             grace: CallbackGrace::from_settings(&api_env)?,
             queue: relay_shared::submit::QueueSettings::from_settings(&api_env)?,

@@ -446,21 +446,11 @@ async fn a_thousand_results_reach_a_failing_receiver_or_are_parked_and_listed() 
     Ok(())
 }
 
-/// The deployed delivery function's timeout, read from template.yaml.
-fn delivery_timeout() -> anyhow::Result<Duration> {
-    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../template.yaml"))?;
-    let t: serde_yaml::Value = serde_yaml::from_str(&text)?;
-    let secs = t["Resources"]["DeliveryFunction"]["Properties"]["Timeout"]
-        .as_u64()
-        .ok_or_else(|| anyhow::anyhow!("no Timeout on DeliveryFunction"))?;
-    Ok(Duration::from_secs(secs))
-}
-
 /// The scheduled sweep is the net for pushes whose stream record or retry message met a store
 /// failure, and those carry tokens with a minute or two to live: a sweep that meets the store's
 /// trouble must keep looking through its invocation, not leave them to the next one a minute
 /// later. Here every store call fails for the sweep's first 5 s; the same invocation (the
-/// template's 60 s, less the 2 s the handler keeps) must still push every result, alive.
+/// template's timeout, less the margin the handler keeps) must still push every result, alive.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sweep_that_meets_a_store_outage_keeps_going_through_its_invocation() -> anyhow::Result<()> {
     let opts = Options { flaky_relay_store: true, ..Options::default() };
@@ -497,7 +487,7 @@ async fn a_sweep_that_meets_a_store_outage_keeps_going_through_its_invocation() 
     )?);
     flaky.set_failing(true);
     let start = w.clock.now();
-    let deadline = start.plus(delivery_timeout()?.saturating_sub(Duration::from_secs(2)));
+    let deadline = start.plus(w.deployed.delivery_timeout.saturating_sub(relay_shared::delivery::SWEEP_END_MARGIN));
     let (c2, busy) = (clock.clone(), clock.busy());
     let sweep = tokio::spawn(async move { d.sweep_held(c2, deadline, busy).await.0 });
     // The world runs the invocation's minute; the store heals after 5 s.
