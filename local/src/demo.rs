@@ -155,7 +155,7 @@ pub async fn run_demo(n: usize, data_dir: std::path::PathBuf, progress: bool) ->
     let kinds = [
         r#"{"kind":"turnstile","sitekey":"0x4AAA","pageurl":"https://shop.example/login"}"#,
         r#"{"kind":"image","body":"iVBORw0KGgo="}"#,
-        r#"{"kind":"hcaptcha","sitekey":"10000000-ffff","pageurl":"https://shop.example/login"}"#,
+        r#"{"kind":"geetest","gt":"81388ea1fc187e0c335c0a8907ff2625","challenge":"2e2f0f65240058b683cb6ea21c303eea","pageurl":"https://shop.example/login"}"#,
     ];
     let flaky = relay.flaky.as_ref().context("demo runs with a fault injector")?;
     let submitting = bar(n, "submitted");

@@ -66,7 +66,8 @@ impl Relay {
                 waker: Arc::new(relay_shared::submit::NotifyWaker(submit_wake)),
                 // Local mode's API key is also a relay key for the 2captcha-compatible routes,
                 // beside any made with the operator command.
-                relay_keys: relay_shared::store::RelayKeys::new(Some(store.clone())).with_fixed("local", &p.api_key),
+                relay_keys: relay_shared::store::RelayKeys::new(Some(store.clone()))
+                    .with_fixed("local".into(), &p.api_key),
                 compat: relay_api::compat::CompatState::default(),
                 admission: Default::default(),
                 delivery_policy: p.delivery_policy,

@@ -193,6 +193,10 @@ pub struct LocalConfig {
     pub webhook_secrets: Option<String>,
     /// `text` (default) or `json` (`RELAY_LOG_FORMAT`): see [`LogFormat`].
     pub log_format: LogFormat,
+    /// How results of tasks submitted through `/in.php` with the API key are pushed to their
+    /// `pingback` (`RELAY_PINGBACK_FORM`): `get`, CaptchaAI's `GET ?id=…&code=…` (default), or
+    /// `post`, 2captcha's form. Keys made with `relay-local keys create` carry their own.
+    pub pingback_form: relay_shared::domain::PingbackForm,
 }
 
 impl Default for LocalConfig {
@@ -213,6 +217,7 @@ impl Default for LocalConfig {
             webhook_allow_loopback: false,
             webhook_secrets: None,
             log_format: LogFormat::Text,
+            pingback_form: relay_shared::domain::PingbackForm::Get,
         }
     }
 }
@@ -277,6 +282,10 @@ impl LocalConfig {
         }
         if let Some(v) = env("RELAY_LOG_FORMAT") {
             c.log_format = LogFormat::from_env(Some(&v))?;
+        }
+        if let Some(v) = env("RELAY_PINGBACK_FORM") {
+            c.pingback_form = relay_shared::domain::PingbackForm::parse(&v)
+                .map_err(|e| anyhow::anyhow!("RELAY_PINGBACK_FORM: {}", e.0))?;
         }
         if let Some(v) = env("CALLBACK_RECENT_RESULTS") {
             c.recent_results = v
@@ -487,6 +496,10 @@ pub async fn start(cfg: &LocalConfig, opts: Options) -> anyhow::Result<Running> 
         delivery_policy: delivery_settings(cfg).policy,
     });
     relay.callback.recent = relay_callback::RecentResults::new(cfg.recent_results);
+    relay.api.relay_keys = relay_shared::store::RelayKeys::new(Some(relay.api.store.clone())).with_fixed(
+        relay_shared::store::KeyGrant { name: "local".into(), pingback: cfg.pingback_form },
+        &SecretString::from(secrets.api_key.clone()),
+    );
     if let Some(g) = cfg.callback_grace_secs {
         relay.api.callback_grace = relay_shared::config::CallbackGrace::uniform(Duration::from_secs(g));
     }

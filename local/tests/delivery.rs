@@ -89,7 +89,8 @@ async fn every_token_reaches_a_failing_owner_alive_through_a_sigkill() -> anyhow
             at_kill
         }
     };
-    let kinds = [CaptchaKind::RecaptchaV2, CaptchaKind::Turnstile, CaptchaKind::Hcaptcha, CaptchaKind::Image];
+    let kinds =
+        [CaptchaKind::RecaptchaV2, CaptchaKind::Turnstile, CaptchaKind::RecaptchaEnterprise, CaptchaKind::Image];
     let mut tasks: BTreeMap<String, String> = BTreeMap::new();
     let submitter = async {
         let mut n = 0;

@@ -126,7 +126,7 @@ async fn submit_then_pingback_then_read_the_solution_get_and_post() -> anyhow::R
 #[tokio::test(flavor = "multi_thread")]
 async fn duplicated_pingbacks_over_http_are_absorbed() -> anyhow::Result<()> {
     let r = start(FakeConfig { solve_delay_ms: 20, duplicate_callbacks: 1.0, ..FakeConfig::default() }).await?;
-    let accepted = r.submit(r#"{"kind":"hcaptcha","sitekey":"s","pageurl":"https://a.example"}"#).await?;
+    let accepted = r.submit(r#"{"kind":"turnstile","sitekey":"s","pageurl":"https://a.example"}"#).await?;
     let id = accepted["captcha_id"].as_str().unwrap_or_default().to_owned();
     let done = r.wait_final(accepted["task_ref"].as_str().unwrap_or_default()).await?;
     assert_eq!(done["status"], "solved");

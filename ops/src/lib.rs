@@ -125,6 +125,7 @@ pub fn is_for_task(m: &Received, task_ref: &str) -> bool {
 pub mod keys {
     use std::fmt;
 
+    use relay_shared::domain::PingbackForm;
     use relay_shared::store::{KeyInfo, RelayKeys, StoreError, TaskStore};
     use relay_shared::time::Timestamp;
     use secrecy::{ExposeSecret, SecretString};
@@ -227,14 +228,27 @@ pub mod keys {
         }
     }
 
-    /// Makes a key named `name`.
-    pub async fn create(store: &TaskStore, name: &str, now: Timestamp) -> Result<Created, KeysError> {
+    /// Makes a key named `name` whose tasks' results go to their `pingback` in `pingback` form.
+    pub async fn create(
+        store: &TaskStore,
+        name: &str,
+        pingback: PingbackForm,
+        now: Timestamp,
+    ) -> Result<Created, KeysError> {
         if !valid_name(name) {
             return Err(KeysError::BadName(name.to_owned()));
         }
-        let key = store.create_relay_key(name, now).await?;
+        let key = store.create_relay_key_with(name, pingback, now).await?;
         let digest = digest_of(&key);
         Ok(Created { key, digest })
+    }
+
+    /// Sets the pingback form of every live key named `name`; an error if none is live.
+    pub async fn set_pingback(store: &TaskStore, name: &str, pingback: PingbackForm) -> Result<usize, KeysError> {
+        match store.set_relay_key_pingback(name, pingback).await? {
+            0 => Err(KeysError::NoneMatched(format!("no live relay key is named `{name}`"))),
+            n => Ok(n),
+        }
     }
 
     /// A stored key as `keys list` shows it: never the key, only the start of its digest.
@@ -244,6 +258,7 @@ pub mod keys {
         pub digest_prefix: String,
         pub created_at: Option<Timestamp>,
         pub revoked_at: Option<Timestamp>,
+        pub pingback: PingbackForm,
     }
 
     impl From<&KeyInfo> for Row {
@@ -253,6 +268,7 @@ pub mod keys {
                 digest_prefix: k.digest.chars().take(SHOWN_DIGITS).collect(),
                 created_at: k.created_at,
                 revoked_at: k.revoked_at,
+                pingback: k.pingback,
             }
         }
     }
@@ -268,10 +284,18 @@ pub mod keys {
 
     /// The rows as an aligned table with a header.
     pub fn render_table(rows: &[Row]) -> String {
-        let header = ["NAME", "DIGEST", "CREATED", "REVOKED"];
-        let cells: Vec<[String; 4]> = rows
+        let header = ["NAME", "DIGEST", "PINGBACK", "CREATED", "REVOKED"];
+        let cells: Vec<[String; 5]> = rows
             .iter()
-            .map(|r| [r.name.clone(), r.digest_prefix.clone(), when(r.created_at), when(r.revoked_at)])
+            .map(|r| {
+                [
+                    r.name.clone(),
+                    r.digest_prefix.clone(),
+                    r.pingback.as_str().to_owned(),
+                    when(r.created_at),
+                    when(r.revoked_at),
+                ]
+            })
             .collect();
         let mut width = header.map(str::len);
         for c in &cells {
@@ -279,16 +303,22 @@ pub mod keys {
                 *w = (*w).max(v.len());
             }
         }
-        let line = |c: [&str; 4]| {
-            let [a, b, d, e] = c;
-            format!("{a:<w0$}  {b:<w1$}  {d:<w2$}  {e}", w0 = width[0], w1 = width[1], w2 = width[2])
-                .trim_end()
-                .to_owned()
+        let line = |c: [&str; 5]| {
+            let [a, b, p, d, e] = c;
+            format!(
+                "{a:<w0$}  {b:<w1$}  {p:<w2$}  {d:<w3$}  {e}",
+                w0 = width[0],
+                w1 = width[1],
+                w2 = width[2],
+                w3 = width[3]
+            )
+            .trim_end()
+            .to_owned()
         };
         let mut out = line(header);
         out.push('\n');
         for c in &cells {
-            out.push_str(&line([&c[0], &c[1], &c[2], &c[3]]));
+            out.push_str(&line([&c[0], &c[1], &c[2], &c[3], &c[4]]));
             out.push('\n');
         }
         out
@@ -305,6 +335,7 @@ pub mod keys {
                         "created_at": r.created_at.map(Timestamp::to_rfc3339),
                         "revoked_at": r.revoked_at.map(Timestamp::to_rfc3339),
                         "live": r.revoked_at.is_none(),
+                        "pingback": r.pingback.as_str(),
                     })
                 })
                 .collect(),
@@ -449,9 +480,11 @@ mod tests {
         let store = db.fresh_store().await?;
         assert!(keys::list(&store).await?.is_empty());
 
-        let a = keys::create(&store, "scraper", T0).await?;
-        let b = keys::create(&store, "scraper", T0.plus(Duration::from_secs(1))).await?;
-        let c = keys::create(&store, "ci", T0.plus(Duration::from_secs(2))).await?;
+        let get = relay_shared::domain::PingbackForm::Get;
+        let a = keys::create(&store, "scraper", get, T0).await?;
+        let b = keys::create(&store, "scraper", get, T0.plus(Duration::from_secs(1))).await?;
+        let c = keys::create(&store, "ci", relay_shared::domain::PingbackForm::Post, T0.plus(Duration::from_secs(2)))
+            .await?;
         let key = a.key.expose_secret();
         assert_eq!(key.len(), 32);
         assert!(key.bytes().all(|x| x.is_ascii_hexdigit()));
@@ -478,6 +511,8 @@ mod tests {
         assert_eq!(table.lines().count(), 4);
         assert!(table.contains("2026-12-02T11:15:46.000Z"), "{table}");
         assert_eq!(keys::render_json(&rows)[2]["name"], "ci");
+        assert_eq!(keys::render_json(&rows)[2]["pingback"], "post", "a key for 2captcha code");
+        assert_eq!(keys::render_json(&rows)[0]["pingback"], "get", "CaptchaAI's form by default");
         assert_eq!(keys::render_json(&rows)[0]["live"], true);
         assert_eq!(keys::render_json(&rows)[0]["revoked_at"], serde_json::Value::Null);
 
@@ -510,8 +545,14 @@ mod tests {
         for bad in ["abc12", "not-hex", "", &"a".repeat(65)] {
             assert!(matches!(keys::revoke(&store, "ci", Some(bad), t1).await, Err(KeysError::BadPrefix(_))), "{bad}");
         }
-        assert!(matches!(keys::create(&store, "bad name", T0).await, Err(KeysError::BadName(_))));
-        assert!(matches!(keys::create(&store, "", T0).await, Err(KeysError::BadName(_))));
+        assert!(matches!(keys::create(&store, "bad name", get, T0).await, Err(KeysError::BadName(_))));
+        assert!(matches!(keys::create(&store, "", get, T0).await, Err(KeysError::BadName(_))));
+        assert_eq!(keys::set_pingback(&store, "ci", get).await?, 1);
+        assert_eq!(keys::render_json(&keys::list(&store).await?)[2]["pingback"], "get");
+        assert!(
+            matches!(keys::set_pingback(&store, "scraper", get).await, Err(KeysError::NoneMatched(_))),
+            "all revoked"
+        );
         assert!(keys::list(&store).await?.iter().any(|r| r.name == "ci" && r.revoked_at.is_none()), "ci untouched");
         Ok(())
     }

@@ -7,9 +7,10 @@
 //!   relay-ops breaker show|close         the account-wide CaptchaAI breaker (TABLE_NAME)
 //!   relay-ops queue                      the submit queue: depth per lane, oldest wait, the
 //!                                        submitter's lease and window (TABLE_NAME)
-//!   relay-ops keys create <name>         a relay key for /in.php and /res.php, printed once (TABLE_NAME)
+//!   relay-ops keys create <name> [--pingback get|post]  a relay key for /in.php and /res.php, printed once (TABLE_NAME)
 //!   relay-ops keys list [--json]         names, digest prefixes, created, revoked (never a key)
 //!   relay-ops keys revoke <name> [--digest <prefix>]
+//!   relay-ops keys set <name> --pingback get|post   how its tasks' results reach their pingback
 //!   relay-ops deliveries list [--since 24h] [--until <time>] [--max 100] [--json]
 //!                                        parked pushes to owners' callbacks (TABLE_NAME)
 //!   relay-ops deliveries replay (--task <ref>... | --since <time> [--until <time>]) [--max N]
@@ -52,11 +53,28 @@ enum BreakerCmd {
     Close,
 }
 
+fn parse_pingback(s: &str) -> Result<relay_shared::domain::PingbackForm, String> {
+    relay_shared::domain::PingbackForm::parse(s).map_err(|e| e.0)
+}
+
 #[derive(Subcommand)]
 enum KeysCmd {
     /// Make a relay key named <name>; prints the key alone on stdout, once (only its digest is
     /// stored). `KEY=$(relay-ops keys create scraper)`.
-    Create { name: String },
+    Create {
+        name: String,
+        /// How its tasks' results reach their `pingback`: `get` (CaptchaAI's GET ?id=&code=) or
+        /// `post` (2captcha's form, for code written against 2captcha).
+        #[arg(long, default_value = "get", value_parser = parse_pingback)]
+        pingback: relay_shared::domain::PingbackForm,
+    },
+    /// Change how the live keys named <name> push results to a `pingback` (tasks submitted from
+    /// then on).
+    Set {
+        name: String,
+        #[arg(long, value_parser = parse_pingback)]
+        pingback: relay_shared::domain::PingbackForm,
+    },
     /// Every key, live and revoked: name, first 12 hex digits of its digest, created, revoked.
     List {
         /// A JSON array instead of a table.
@@ -250,8 +268,8 @@ async fn keys(store: &relay_shared::store::TaskStore, cmd: KeysCmd) -> anyhow::R
     use secrecy::ExposeSecret;
     let now = relay_shared::time::Clock::now(&relay_shared::time::SystemClock);
     match cmd {
-        KeysCmd::Create { name } => {
-            let made = keys::create(store, &name, now).await?;
+        KeysCmd::Create { name, pingback } => {
+            let made = keys::create(store, &name, pingback, now).await?;
             // Only the key on stdout, so `KEY=$(relay-ops keys create scraper)` works.
             println!("{}", made.key.expose_secret());
             eprintln!("{}", made.hint(&name));
@@ -269,6 +287,13 @@ async fn keys(store: &relay_shared::store::TaskStore, cmd: KeysCmd) -> anyhow::R
         KeysCmd::Revoke { name, digest } => {
             let n = keys::revoke(store, &name, digest.as_deref(), now).await?;
             println!("{}", keys::revoked_message(n, &name));
+        }
+        KeysCmd::Set { name, pingback } => {
+            let n = keys::set_pingback(store, &name, pingback).await?;
+            println!(
+                "{n} key(s) named `{name}` now push results to a pingback in the `{}` form (running relays within 60 s)",
+                pingback.as_str()
+            );
         }
     }
     Ok(())
@@ -398,7 +423,16 @@ mod tests {
     fn keys_subcommands_parse() -> anyhow::Result<()> {
         let cli = Cli::try_parse_from(["relay-ops", "--table-name", "t", "keys", "create", "scraper"])?;
         assert_eq!(cli.table_name.as_deref(), Some("t"));
-        assert!(matches!(cli.cmd, Cmd::Keys { cmd: KeysCmd::Create { name } } if name == "scraper"));
+        assert!(
+            matches!(cli.cmd, Cmd::Keys { cmd: KeysCmd::Create { name, pingback } } if name == "scraper" && pingback == relay_shared::domain::PingbackForm::Get)
+        );
+        let cli = Cli::try_parse_from(["relay-ops", "keys", "create", "old", "--pingback", "post"])?;
+        assert!(
+            matches!(cli.cmd, Cmd::Keys { cmd: KeysCmd::Create { pingback, .. } } if pingback == relay_shared::domain::PingbackForm::Post)
+        );
+        assert!(Cli::try_parse_from(["relay-ops", "keys", "create", "old", "--pingback", "put"]).is_err());
+        let cli = Cli::try_parse_from(["relay-ops", "keys", "set", "old", "--pingback", "get"])?;
+        assert!(matches!(cli.cmd, Cmd::Keys { cmd: KeysCmd::Set { .. } }));
         let cli = Cli::try_parse_from(["relay-ops", "keys", "list", "--json"])?;
         assert!(matches!(cli.cmd, Cmd::Keys { cmd: KeysCmd::List { json: true } }));
         let cli = Cli::try_parse_from(["relay-ops", "keys", "list"])?;

@@ -67,6 +67,30 @@ pub enum SubmitRequest {
         #[serde(default)]
         hints: std::collections::BTreeMap<String, String>,
     },
+    /// GeeTest v3 (`method=geetest`): the page's `gt` and a fresh `challenge`.
+    Geetest {
+        gt: String,
+        challenge: String,
+        pageurl: String,
+        #[serde(default)]
+        api_server: Option<String>,
+        #[serde(default)]
+        browser: Browser,
+    },
+    /// Cloudflare's challenge page (`method=cloudflare_challenge`): solved through the owner's
+    /// proxy (`browser.proxy` and `browser.proxytype` are required); the clearance comes with
+    /// the user agent it was earned with.
+    CloudflareChallenge {
+        pageurl: String,
+        #[serde(default)]
+        browser: Browser,
+    },
+    /// BLS (`method=bls`): the instruction's code and the grid's nine images (base64, or
+    /// `data:image/…;base64,` URIs), in reading order.
+    Bls {
+        instructions: String,
+        images: Vec<String>,
+    },
 }
 
 /// Optional browser context for reCAPTCHA (`"browser": {...}` in the request).
@@ -89,6 +113,32 @@ pub const IMAGE_HINTS: [&str; 10] =
 
 /// Largest base64 image accepted (CaptchaAI refuses images over 100 KiB; base64 adds a third).
 pub const MAX_IMAGE_BASE64: usize = 140 * 1024;
+/// A BLS grid's cells: nine images.
+pub const BLS_CELLS: usize = 9;
+/// The in.php fields of a BLS grid's cells, in reading order.
+pub const BLS_FIELDS: [&str; BLS_CELLS] = [
+    "image_base64_1",
+    "image_base64_2",
+    "image_base64_3",
+    "image_base64_4",
+    "image_base64_5",
+    "image_base64_6",
+    "image_base64_7",
+    "image_base64_8",
+    "image_base64_9",
+];
+/// Largest BLS cell accepted (its tiles are a few KiB; nine must fit a task item's 400 KB).
+pub const MAX_BLS_CELL: usize = 32 * 1024;
+
+fn check_base64(field: &str, v: &str, max: usize) -> Result<(), ParseError> {
+    check_text(field, v, max)?;
+    // A data URI's prefix (`data:image/png;base64,`) is kept: CaptchaAI's BLS takes it.
+    let data = v.split_once(";base64,").map_or(v, |(_, d)| d);
+    if !data.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'+' | b'/' | b'=' | b'\n' | b'\r')) {
+        return Err(ParseError(format!("`{field}` must be base64")));
+    }
+    Ok(())
+}
 
 fn check_text(field: &str, v: &str, max: usize) -> Result<(), ParseError> {
     if v.trim().is_empty() {
@@ -127,6 +177,22 @@ impl SubmitRequest {
             Self::Hcaptcha { .. } => CaptchaKind::Hcaptcha,
             Self::Turnstile { .. } => CaptchaKind::Turnstile,
             Self::Image { .. } => CaptchaKind::Image,
+            Self::Geetest { .. } => CaptchaKind::Geetest,
+            Self::CloudflareChallenge { .. } => CaptchaKind::CloudflareChallenge,
+            Self::Bls { .. } => CaptchaKind::Bls,
+        }
+    }
+
+    /// The user agent the owner asked CaptchaAI to solve with, if any: the one a solution that
+    /// names none was earned with.
+    pub fn user_agent(&self) -> Option<&str> {
+        match self {
+            Self::RecaptchaV2 { browser, .. }
+            | Self::RecaptchaV3 { browser, .. }
+            | Self::RecaptchaEnterprise { browser, .. }
+            | Self::Geetest { browser, .. }
+            | Self::CloudflareChallenge { browser, .. } => browser.user_agent.as_deref(),
+            _ => None,
         }
     }
 
@@ -162,11 +228,38 @@ impl SubmitRequest {
                     }
                     check_text(k, v, 256)?;
                 }
-                check_text("body", body, MAX_IMAGE_BASE64)?;
-                if !body.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'+' | b'/' | b'=' | b'\n' | b'\r')) {
-                    return Err(ParseError("`body` must be base64".into()));
+                check_base64("body", body, MAX_IMAGE_BASE64)
+            }
+            Self::Geetest { gt, challenge, pageurl, api_server, .. } => {
+                check_text("gt", gt, 256)?;
+                check_text("challenge", challenge, 256)?;
+                if let Some(a) = api_server {
+                    check_text("api_server", a, 256)?;
                 }
-                Ok(())
+                check_pageurl(pageurl)
+            }
+            Self::CloudflareChallenge { pageurl, browser } => {
+                check_pageurl(pageurl)?;
+                match (&browser.proxy, &browser.proxytype) {
+                    (Some(p), Some(t)) => {
+                        check_text("proxy", p, 512)?;
+                        check_text("proxytype", t, 16)
+                    }
+                    _ => Err(ParseError(
+                        "`proxy` and `proxytype` are required: CaptchaAI solves a Cloudflare challenge through your proxy"
+                            .into(),
+                    )),
+                }
+            }
+            Self::Bls { instructions, images } => {
+                check_text("instructions", instructions, 256)?;
+                if images.len() != BLS_CELLS {
+                    return Err(ParseError(format!(
+                        "`images` must be the grid's {BLS_CELLS} cells, got {}",
+                        images.len()
+                    )));
+                }
+                images.iter().try_for_each(|i| check_base64("images", i, MAX_BLS_CELL))
             }
         }
     }
@@ -242,6 +335,26 @@ impl SubmitRequest {
                     if let Some(name) = IMAGE_HINTS.iter().find(|h| **h == k.as_str()) {
                         f.push((name, v.clone()));
                     }
+                }
+            }
+            Self::Geetest { gt, challenge, pageurl, api_server, browser: b } => {
+                f.extend([
+                    ("method", "geetest".into()),
+                    ("gt", gt.clone()),
+                    ("challenge", challenge.clone()),
+                    ("pageurl", pageurl.clone()),
+                ]);
+                push_opt(&mut f, "api_server", api_server);
+                browser(&mut f, b);
+            }
+            Self::CloudflareChallenge { pageurl, browser: b } => {
+                f.extend([("method", "cloudflare_challenge".into()), ("pageurl", pageurl.clone())]);
+                browser(&mut f, b);
+            }
+            Self::Bls { instructions, images } => {
+                f.extend([("method", "bls".into()), ("instructions", instructions.clone())]);
+                for (name, image) in BLS_FIELDS.iter().zip(images) {
+                    f.push((name, image.clone()));
                 }
             }
         }
@@ -340,19 +453,39 @@ pub enum RawAnswer {
 #[derive(Deserialize)]
 struct JsonAnswer {
     status: serde_json::Value,
-    request: serde_json::Value,
+    #[serde(default)]
+    request: Option<serde_json::Value>,
+    /// Where CaptchaAI's own SDK reads the token of a reCAPTCHA Enterprise or Cloudflare
+    /// answer; `request` elsewhere.
+    #[serde(default)]
+    result: Option<serde_json::Value>,
+    #[serde(default)]
+    user_agent: Option<serde_json::Value>,
+    #[serde(default)]
+    useragent: Option<serde_json::Value>,
 }
 
+/// A JSON answer's text: a string as it is, a number as digits, an object or list (a GeeTest
+/// answer, BLS's cells) as its JSON.
 fn json_text(v: &serde_json::Value) -> Option<String> {
     match v {
         serde_json::Value::String(s) => Some(s.clone()),
         serde_json::Value::Number(n) => Some(n.to_string()),
+        serde_json::Value::Object(_) | serde_json::Value::Array(_) => Some(v.to_string()),
         _ => None,
     }
 }
 
-/// Reads any answer shape in the protocol: JSON (`request` as string or number, `status` as
-/// number or string), plain `OK|…`, a bare code; HTTP errors and HTML are errors.
+/// The user agent a JSON answer names beside its token (`user_agent`, CaptchaAI's; or
+/// `useragent`, 2captcha's), if any.
+pub fn answer_user_agent(body: &str) -> Option<String> {
+    let j = serde_json::from_str::<JsonAnswer>(body.trim()).ok()?;
+    j.user_agent.or(j.useragent).as_ref().and_then(json_text).filter(|u| !u.trim().is_empty())
+}
+
+/// Reads any answer shape in the protocol: JSON (`request` — or `result` — as string, number or
+/// JSON value, `status` as number or string), plain `OK|…`, a bare code; HTTP errors and HTML
+/// are errors.
 pub fn parse_answer(http_status: u16, body: &str) -> Result<RawAnswer, CaptchaAiError> {
     let text = body.trim();
     if let Ok(j) = serde_json::from_str::<JsonAnswer>(text) {
@@ -362,7 +495,12 @@ pub fn parse_answer(http_status: u16, body: &str) -> Result<RawAnswer, CaptchaAi
             serde_json::Value::Bool(b) => *b,
             _ => false,
         };
-        let request = json_text(&j.request)
+        let request = j
+            .result
+            .as_ref()
+            .filter(|_| ok)
+            .or(j.request.as_ref())
+            .and_then(json_text)
             .ok_or_else(|| CaptchaAiError::NotAnAnswer("JSON answer without a `request` text".into()))?;
         if !ok && request.trim().is_empty() {
             // A refusal must name its code; without one it proves nothing (found by fuzzing).
@@ -440,9 +578,14 @@ impl CaptchaAiClient {
     }
 
     async fn read(&self, resp: reqwest::Response) -> Result<RawAnswer, CaptchaAiError> {
+        Ok(self.read_with_agent(resp).await?.0)
+    }
+
+    /// The answer, and the user agent it names beside a token.
+    async fn read_with_agent(&self, resp: reqwest::Response) -> Result<(RawAnswer, Option<String>), CaptchaAiError> {
         let status = resp.status().as_u16();
         let body = resp.text().await.map_err(CaptchaAiError::from_reqwest)?;
-        parse_answer(status, &body)
+        Ok((parse_answer(status, &body)?, answer_user_agent(&body)))
     }
 
     /// Submits a captcha with a pingback URL (POST form, `json=1`). Returns CaptchaAI's id.
@@ -473,9 +616,13 @@ impl CaptchaAiClient {
         split_batch(self.res_php_get("ids", &joined).await?, ids.len())
     }
 
-    /// Reads one task's result (`action=get`).
+    /// Reads one task's result (`action=get`), with the user agent its answer names.
     pub async fn get_result(&self, id: &CaptchaId) -> Result<ResAnswer, CaptchaAiError> {
-        res_answer(self.res_php_get("id", id.as_ref()).await?)
+        let (raw, ua) = self.res_php_answer(&[("action", "get"), ("id", id.as_ref())]).await?;
+        Ok(match res_answer(raw)? {
+            ResAnswer::Ready(s) => ResAnswer::Ready(s.with_user_agent(ua.as_deref())),
+            other => other,
+        })
     }
 
     /// `res.php?action=get&<name>=<value>&json=1`.
@@ -485,6 +632,11 @@ impl CaptchaAiClient {
 
     /// `res.php?key=…&<params>&json=1`.
     async fn res_php(&self, params: &[(&str, &str)]) -> Result<RawAnswer, CaptchaAiError> {
+        Ok(self.res_php_answer(params).await?.0)
+    }
+
+    /// `res.php?key=…&<params>&json=1`: the answer and the user agent it names.
+    async fn res_php_answer(&self, params: &[(&str, &str)]) -> Result<(RawAnswer, Option<String>), CaptchaAiError> {
         let mut query: Vec<(&str, &str)> = vec![("key", self.key.expose_secret())];
         query.extend_from_slice(params);
         query.push(("json", "1"));
@@ -495,7 +647,7 @@ impl CaptchaAiClient {
             .send()
             .await
             .map_err(CaptchaAiError::from_reqwest)?;
-        self.read(resp).await
+        self.read_with_agent(resp).await
     }
 
     /// The account balance (`action=getbalance`), as CaptchaAI states it: a decimal number.
@@ -509,13 +661,80 @@ impl CaptchaAiClient {
         }
     }
 
-    /// Reports a solution good or bad (`action=reportgood` / `reportbad`). Returns CaptchaAI's
-    /// answer text (`OK_REPORT_RECORDED`, or a code such as `ERROR_DUPLICATE_REPORT`).
+    /// Reports a solution good or bad (`action=reportgood` / `reportbad`). Returns the answer
+    /// as 2captcha words it: `OK_REPORT_RECORDED`, or a code such as `ERROR_DUPLICATE_REPORT`.
+    /// CaptchaAI answers a report with HTTP 200 and an empty body: that is a recorded report.
     pub async fn report(&self, id: &CaptchaId, good: bool) -> Result<String, CaptchaAiError> {
         let action = if good { "reportgood" } else { "reportbad" };
-        match self.res_php(&[("action", action), ("id", id.as_ref())]).await? {
-            RawAnswer::Ok(t) | RawAnswer::Code(t) => Ok(t),
-        }
+        let resp = self
+            .http
+            .get(format!("{}/res.php", self.base_url))
+            .query(&[("key", self.key.expose_secret()), ("action", action), ("id", id.as_ref()), ("json", "1")])
+            .send()
+            .await
+            .map_err(CaptchaAiError::from_reqwest)?;
+        let status = resp.status().as_u16();
+        let body = resp.text().await.map_err(CaptchaAiError::from_reqwest)?;
+        report_answer(status, &body)
+    }
+
+    /// The plan's threads (`action=threadsinfo`, CaptchaAI's): how many the plan has and how
+    /// many are solving now.
+    pub async fn threads_info(&self) -> Result<ThreadsInfo, CaptchaAiError> {
+        let resp = self
+            .http
+            .get(format!("{}/res.php", self.base_url))
+            .query(&[("key", self.key.expose_secret()), ("action", "threadsinfo"), ("json", "1")])
+            .send()
+            .await
+            .map_err(CaptchaAiError::from_reqwest)?;
+        let status = resp.status().as_u16();
+        let body = resp.text().await.map_err(CaptchaAiError::from_reqwest)?;
+        parse_threads_info(status, &body)
+    }
+}
+
+/// A report's answer: an empty 200 (CaptchaAI) is `OK_REPORT_RECORDED`, as 2captcha says it.
+pub fn report_answer(http_status: u16, body: &str) -> Result<String, CaptchaAiError> {
+    if http_status == 200 && body.trim().is_empty() {
+        return Ok("OK_REPORT_RECORDED".into());
+    }
+    match parse_answer(http_status, body)? {
+        RawAnswer::Ok(t) | RawAnswer::Code(t) => Ok(t),
+    }
+}
+
+/// The plan's size as `threadsinfo` states it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ThreadsInfo {
+    /// Threads the plan has.
+    pub threads: u32,
+    /// Threads solving a task now (this relay's and any other client's on the account).
+    pub working_threads: u32,
+}
+
+impl ThreadsInfo {
+    pub fn free(&self) -> u32 {
+        self.threads.saturating_sub(self.working_threads)
+    }
+}
+
+/// Reads `threadsinfo`'s answer: top-level `threads` and `working_threads` (numbers or numeric
+/// strings, as CaptchaAI's SDK reads them); a refusal is its code.
+pub fn parse_threads_info(http_status: u16, body: &str) -> Result<ThreadsInfo, CaptchaAiError> {
+    let count = |v: &serde_json::Value| match v {
+        serde_json::Value::Number(n) => n.as_u64().and_then(|n| u32::try_from(n).ok()),
+        serde_json::Value::String(s) => s.trim().parse().ok(),
+        _ => None,
+    };
+    if let Ok(v) = serde_json::from_str::<serde_json::Value>(body.trim())
+        && let (Some(threads), Some(working_threads)) = (count(&v["threads"]), count(&v["working_threads"]))
+    {
+        return Ok(ThreadsInfo { threads, working_threads });
+    }
+    match parse_answer(http_status, body)? {
+        RawAnswer::Code(c) => Err(CaptchaAiError::Code(code(&c)?)),
+        RawAnswer::Ok(_) => Err(CaptchaAiError::NotAnAnswer("threadsinfo without `threads`".into())),
     }
 }
 
@@ -597,6 +816,44 @@ mod tests {
         assert!(!CaptchaAiError::Connect("refused".into()).outcome_unknown(), "never sent");
         let refused = CaptchaAiError::Code(ErrorCode::parse("ERROR_PAGEURL").expect("code"));
         assert!(!refused.outcome_unknown(), "an explicit answer");
+    }
+
+    #[test]
+    fn structured_answers_and_user_agents_are_read_in_every_shape_seen() {
+        // 2captcha's GeeTest answer: an object in `request`.
+        let obj = r#"{"status":1,"request":{"geetest_challenge":"c","geetest_validate":"v","geetest_seccode":"s"}}"#;
+        let RawAnswer::Ok(text) = parse_answer(200, obj).expect("read") else { panic!("not ok") };
+        let v: serde_json::Value = serde_json::from_str(&text).expect("json text");
+        assert_eq!(v["geetest_validate"], "v");
+        // CaptchaAI's SDK: the JSON as a string; BLS's cells as a list.
+        let string = r#"{"status":1,"request":"{\"challenge\":\"c\",\"validate\":\"v\",\"seccode\":\"s\"}"}"#;
+        assert!(matches!(parse_answer(200, string), Ok(RawAnswer::Ok(t)) if t.contains("validate")));
+        assert_eq!(parse_answer(200, r#"{"status":1,"request":[1,4,7]}"#), Ok(RawAnswer::Ok("[1,4,7]".into())));
+        // Enterprise / Cloudflare in CaptchaAI's SDK: the token in `result`, the user agent beside it.
+        let ent = r#"{"status":1,"result":"ent-token","user_agent":"UA/1.0"}"#;
+        assert_eq!(parse_answer(200, ent), Ok(RawAnswer::Ok("ent-token".into())));
+        assert_eq!(answer_user_agent(ent).as_deref(), Some("UA/1.0"));
+        assert_eq!(answer_user_agent(r#"{"status":1,"request":"t","useragent":"UA/2"}"#).as_deref(), Some("UA/2"));
+        assert_eq!(answer_user_agent(r#"{"status":1,"request":"t"}"#), None);
+        assert_eq!(answer_user_agent("OK|t"), None);
+    }
+
+    #[test]
+    fn an_empty_report_answer_is_a_recorded_report_and_threadsinfo_is_read() {
+        assert_eq!(report_answer(200, ""), Ok("OK_REPORT_RECORDED".into()), "CaptchaAI's empty 200");
+        assert_eq!(
+            report_answer(200, r#"{"status":1,"request":"OK_REPORT_RECORDED"}"#),
+            Ok("OK_REPORT_RECORDED".into())
+        );
+        assert_eq!(report_answer(200, "ERROR_DUPLICATE_REPORT"), Ok("ERROR_DUPLICATE_REPORT".into()));
+        assert!(report_answer(502, "").is_err(), "an empty 502 is trouble, not a report");
+        let info = parse_threads_info(200, r#"{"threads":10,"working_threads":"3"}"#).expect("read");
+        assert_eq!((info.threads, info.working_threads, info.free()), (10, 3, 7));
+        assert_eq!(
+            parse_threads_info(200, r#"{"status":0,"request":"ERROR_KEY_DOES_NOT_EXIST"}"#),
+            Err(CaptchaAiError::Code(ErrorCode::parse("ERROR_KEY_DOES_NOT_EXIST").expect("code")))
+        );
+        assert!(parse_threads_info(200, r#"{"status":1,"request":"10"}"#).is_err());
     }
 
     #[test]

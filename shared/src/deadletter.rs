@@ -52,6 +52,9 @@ pub struct DeadLetter {
     /// For `submitted`: when the poller should first read the task.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub poll_due_at_ms: Option<u64>,
+    /// The user agent a solution was earned with, where CaptchaAI named one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user_agent: Option<String>,
 }
 
 fn result_kind() -> String {
@@ -103,6 +106,10 @@ impl DeadLetter {
             attempts,
             kind: result_kind(),
             poll_due_at_ms: None,
+            user_agent: match &d.outcome {
+                Outcome::Solved(s) => s.user_agent().map(str::to_owned),
+                Outcome::Failed(_) => None,
+            },
         }
     }
 
@@ -121,6 +128,7 @@ impl DeadLetter {
             attempts: 1,
             kind: "submitted".into(),
             poll_due_at_ms: Some(poll_due_at.as_millis()),
+            user_agent: None,
         }
     }
 
@@ -167,7 +175,7 @@ impl DeadLetter {
         let outcome = if is_error_code(&self.code) {
             Outcome::Failed(ErrorCode::parse(&self.code)?)
         } else {
-            Outcome::Solved(Solution::parse(&self.code)?)
+            Outcome::Solved(Solution::parse(&self.code)?.with_user_agent(self.user_agent.as_deref()))
         };
         Ok((
             task_ref,

@@ -11,9 +11,10 @@
 //! result ([`schedule`]). The `webhook-id` follows from the result ([`Task::webhook_id`]): the
 //! same on every retry and replay of the same result, so owners de-duplicate on it.
 //!
-//! Form: a compat task (submitted through `in.php` with `pingback`) gets the 2captcha pingback
-//! its handler already parses, `POST` form `id=<id>&code=<answer>`; other tasks get JSON
-//! `{"type": "task.solved", "timestamp": …, "data": <the task view>}`. Both signed.
+//! Form: a compat task (submitted through `in.php` with `pingback`) gets the pingback its
+//! handler already parses — CaptchaAI's `GET <pingback>?id=<id>&code=<answer>`, or 2captcha's
+//! `POST` form where its relay key says so; other tasks get JSON
+//! `{"type": "task.solved", "timestamp": …, "data": <the task view>}`. All signed.
 
 pub mod hosts;
 pub mod schedule;
@@ -26,11 +27,11 @@ use serde::Serialize;
 use tokio::sync::mpsc;
 
 use crate::config::{ConfigError, Settings};
-use crate::domain::{Task, TaskRef, TaskState, TaskView};
+use crate::domain::{PingbackForm, Task, TaskRef, TaskState, TaskView};
 use crate::store::deliveries::DEFAULT_OWNER;
 use crate::store::{DeliveryFinish, DueDelivery, PushNotifier, StoreError, TaskStore};
 use crate::time::{Busy, Clock, Timestamp};
-use crate::webhook::{AttemptResult, Outgoing, Sender, SigningKeys, UrlPolicy};
+use crate::webhook::{AttemptResult, Outgoing, PushMethod, Sender, SigningKeys, UrlPolicy};
 use hosts::{HostGates, Signal};
 
 /// The sweep waits after a pass that met a store failure this long, doubled each time in a row,
@@ -725,8 +726,16 @@ impl Deliverer {
         }
         let sent_at = clock.now();
         // Built as it leaves: a token that died while it waited for its turn is not in it.
-        let (content_type, body) = payload(&task, sent_at);
-        let out = Outgoing { url: &url, msg_id: &id, timestamp: sent_at.as_secs(), content_type, body, keys: &keys };
+        let push = payload(&task, &url, sent_at);
+        let out = Outgoing {
+            url: &push.url,
+            method: push.method,
+            msg_id: &id,
+            timestamp: sent_at.as_secs(),
+            content_type: push.content_type,
+            body: push.body,
+            keys: &keys,
+        };
         let result = {
             let _io = clock.io();
             tokio::select! {
@@ -827,18 +836,53 @@ fn jitter() -> f64 {
     crate::retry::unit_random()
 }
 
-/// The push's body at `now`: the 2captcha pingback form for a compat task, JSON otherwise. A
-/// token is in it only while fresh, as in every other answer.
-pub fn payload(task: &Task, now: Timestamp) -> (&'static str, Vec<u8>) {
+/// One push as it leaves: where, how, and what.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Push {
+    pub method: PushMethod,
+    pub url: String,
+    pub content_type: &'static str,
+    pub body: Vec<u8>,
+}
+
+/// The push of `task`'s result to `url` at `now`. A compat task (submitted through `in.php`
+/// with a `pingback`) gets the pingback its handler already parses: CaptchaAI's
+/// `GET <url>?id=<id>&code=<answer>` (appended to the URL's own query), or 2captcha's `POST`
+/// form `id=<id>&code=<answer>` where its relay key says so. Other tasks get JSON. A token is in
+/// it only while fresh, as in every other answer.
+pub fn payload(task: &Task, url: &str, now: Timestamp) -> Push {
     if let Some(id) = task.task_ref.compat_id() {
         let (_, code) = task.compat_answer(now);
-        let body = serde_urlencoded::to_string([("id", id.to_string()), ("code", code)]).unwrap_or_default();
-        return ("application/x-www-form-urlencoded", body.into_bytes());
+        let pairs = [("id", id.to_string()), ("code", code)];
+        return match task.pingback_form {
+            PingbackForm::Get => {
+                let url = match url::Url::parse(url) {
+                    Ok(mut u) => {
+                        u.query_pairs_mut().extend_pairs(pairs.iter().map(|(k, v)| (*k, v.as_str())));
+                        u.to_string()
+                    }
+                    // Checked at submit; an unparseable one is refused by the sender as it is.
+                    Err(_) => url.to_owned(),
+                };
+                Push { method: PushMethod::Get, url, content_type: "", body: Vec::new() }
+            }
+            PingbackForm::Post => Push {
+                method: PushMethod::Post,
+                url: url.to_owned(),
+                content_type: "application/x-www-form-urlencoded",
+                body: serde_urlencoded::to_string(pairs).unwrap_or_default().into_bytes(),
+            },
+        };
     }
     let mut view = task.view(now);
     view.delivery = None;
     let env = Envelope { kind: format!("task.{}", view.status), timestamp: now.to_rfc3339(), data: &view };
-    ("application/json", serde_json::to_vec(&env).unwrap_or_default())
+    Push {
+        method: PushMethod::Post,
+        url: url.to_owned(),
+        content_type: "application/json",
+        body: serde_json::to_vec(&env).unwrap_or_default(),
+    }
 }
 
 /// Checks an owner's callback URL when a task is submitted, with a message for the caller.
@@ -986,28 +1030,40 @@ mod tests {
     }
 
     #[test]
-    fn a_compat_push_is_the_2captcha_pingback_form_and_never_carries_a_stale_token() {
+    fn a_compat_push_is_captchaais_get_pingback_and_never_carries_a_stale_token() {
         let (r, id) = TaskRef::generate_compat();
         let task = solved(r, "03AGdBq2-token");
-        let (ctype, body) = payload(&task, Timestamp::from_millis(1_010_000));
-        assert_eq!(ctype, "application/x-www-form-urlencoded");
-        assert_eq!(String::from_utf8(body).expect("utf8"), format!("id={id}&code=03AGdBq2-token"));
+        // Appended to the URL's own query, as CaptchaAI does: the owner's route reads `id` and `code`.
+        let p = payload(&task, "https://owner.example/cb?src=relay", Timestamp::from_millis(1_010_000));
+        assert_eq!(p.method, PushMethod::Get);
+        assert_eq!(p.url, format!("https://owner.example/cb?src=relay&id={id}&code=03AGdBq2-token"));
+        assert!(p.body.is_empty());
         // 120 s after the solve the token is past its lifetime: the push says so instead.
-        let (_, body) = payload(&task, Timestamp::from_millis(1_121_000));
-        assert_eq!(String::from_utf8(body).expect("utf8"), format!("id={id}&code=ERROR_TOKEN_EXPIRED"));
+        let p = payload(&task, "https://owner.example/cb", Timestamp::from_millis(1_121_000));
+        assert_eq!(p.url, format!("https://owner.example/cb?id={id}&code=ERROR_TOKEN_EXPIRED"));
+    }
+
+    #[test]
+    fn a_compat_push_of_a_2captcha_key_is_the_post_form() {
+        let (r, id) = TaskRef::generate_compat();
+        let task = Task { pingback_form: PingbackForm::Post, ..solved(r, "03AGdBq2 token+/=") };
+        let p = payload(&task, "https://owner.example/cb", Timestamp::from_millis(1_010_000));
+        assert_eq!((p.method, p.content_type), (PushMethod::Post, "application/x-www-form-urlencoded"));
+        assert_eq!(p.url, "https://owner.example/cb");
+        assert_eq!(String::from_utf8(p.body).expect("utf8"), format!("id={id}&code=03AGdBq2+token%2B%2F%3D"));
     }
 
     #[test]
     fn a_json_push_is_the_task_view_typed_by_status_and_its_id_follows_the_result() {
         let task = solved(TaskRef::generate(), "03AGdBq2-token");
-        let (ctype, body) = payload(&task, Timestamp::from_millis(1_010_000));
-        assert_eq!(ctype, "application/json");
-        let v: serde_json::Value = serde_json::from_slice(&body).expect("json");
+        let p = payload(&task, "https://owner.example/cb", Timestamp::from_millis(1_010_000));
+        assert_eq!((p.method, p.content_type), (PushMethod::Post, "application/json"));
+        let v: serde_json::Value = serde_json::from_slice(&p.body).expect("json");
         assert_eq!(v["type"], "task.solved");
         assert_eq!(v["data"]["solution"], "03AGdBq2-token");
         assert_eq!(v["data"]["task_ref"], task.task_ref.as_ref());
         assert!(v["data"].get("delivery").is_none(), "the push does not describe itself");
-        let (_, body) = payload(&task, Timestamp::from_millis(1_121_000));
+        let body = payload(&task, "https://owner.example/cb", Timestamp::from_millis(1_121_000)).body;
         let v: serde_json::Value = serde_json::from_slice(&body).expect("json");
         assert_eq!(v["type"], "task.expired");
         assert!(v["data"].get("solution").is_none(), "a stale token is never pushed");

@@ -187,13 +187,29 @@ impl<'de> Deserialize<'de> for CaptchaId {
     }
 }
 
-/// A solved captcha's answer (a token, or an image's text). Never printed: `Debug` redacts it.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Solution(String);
+/// A solved captcha's answer (a token, or an image's text), with the user agent it was earned
+/// with where CaptchaAI names one (reCAPTCHA Enterprise, a Cloudflare challenge: the token works
+/// only with it). Never printed: `Debug` redacts it. Two solutions are the same result when
+/// their answers are: a user agent one delivery names and another does not changes nothing.
+#[derive(Clone)]
+pub struct Solution {
+    text: String,
+    user_agent: Option<String>,
+}
+
+impl PartialEq for Solution {
+    fn eq(&self, other: &Self) -> bool {
+        self.text == other.text
+    }
+}
+
+impl Eq for Solution {}
 
 impl Solution {
     /// Largest answer accepted; real tokens are a few KiB.
     pub const MAX_LEN: usize = 12 * 1024;
+    /// Largest user agent kept.
+    pub const MAX_USER_AGENT: usize = 1024;
 
     pub fn parse(s: &str) -> Result<Self, ParseError> {
         if s.is_empty() {
@@ -206,18 +222,33 @@ impl Solution {
         if s.chars().any(char::is_control) {
             return Err(ParseError("solution holds a control character".into()));
         }
-        Ok(Self(s.to_owned()))
+        Ok(Self { text: s.to_owned(), user_agent: None })
+    }
+
+    /// The solution with the user agent it was earned with. One that is empty, too long or
+    /// holds a control character is not a user agent and is left out.
+    pub fn with_user_agent(mut self, ua: Option<&str>) -> Self {
+        self.user_agent = ua
+            .map(str::trim)
+            .filter(|u| !u.is_empty() && u.len() <= Self::MAX_USER_AGENT && !u.chars().any(char::is_control))
+            .map(str::to_owned);
+        self
     }
 
     /// The token itself. Call only where it leaves to its owner (an API response, the store).
     pub fn expose(&self) -> &str {
-        &self.0
+        &self.text
+    }
+
+    /// The user agent to use the token with, when CaptchaAI named one.
+    pub fn user_agent(&self) -> Option<&str> {
+        self.user_agent.as_deref()
     }
 }
 
 impl fmt::Debug for Solution {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Solution(<redacted, {} bytes>)", self.0.len())
+        write!(f, "Solution(<redacted, {} bytes>)", self.text.len())
     }
 }
 
@@ -231,11 +262,39 @@ pub enum CaptchaKind {
     Hcaptcha,
     Turnstile,
     Image,
+    /// GeeTest v3: the answer is a JSON object (`challenge`, `validate`, `seccode`).
+    Geetest,
+    /// Cloudflare's challenge page: the answer is a clearance, used with the user agent it was
+    /// earned with.
+    CloudflareChallenge,
+    /// BLS's grid of nine images: the answer is a JSON list of the cells to click.
+    Bls,
 }
 
 impl CaptchaKind {
-    pub const ALL: [CaptchaKind; 6] =
-        [Self::RecaptchaV2, Self::RecaptchaV3, Self::RecaptchaEnterprise, Self::Hcaptcha, Self::Turnstile, Self::Image];
+    pub const ALL: [CaptchaKind; 9] = [
+        Self::RecaptchaV2,
+        Self::RecaptchaV3,
+        Self::RecaptchaEnterprise,
+        Self::Hcaptcha,
+        Self::Turnstile,
+        Self::Image,
+        Self::Geetest,
+        Self::CloudflareChallenge,
+        Self::Bls,
+    ];
+
+    /// The kinds CaptchaAI solves (all but hCaptcha).
+    pub const CAPTCHAAI: [CaptchaKind; 8] = [
+        Self::RecaptchaV2,
+        Self::RecaptchaV3,
+        Self::RecaptchaEnterprise,
+        Self::Turnstile,
+        Self::Image,
+        Self::Geetest,
+        Self::CloudflareChallenge,
+        Self::Bls,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -245,7 +304,23 @@ impl CaptchaKind {
             Self::Hcaptcha => "hcaptcha",
             Self::Turnstile => "turnstile",
             Self::Image => "image",
+            Self::Geetest => "geetest",
+            Self::CloudflareChallenge => "cloudflare_challenge",
+            Self::Bls => "bls",
         }
+    }
+
+    /// Whether CaptchaAI solves it. hCaptcha is 2captcha's: CaptchaAI answers it
+    /// `ERROR_SERVER_ERROR` (docs/compat.md), so the relay refuses it unless its upstream is
+    /// a 2captcha-compatible service that solves it (`CAPTCHAAI_FLAVOR=2captcha`).
+    pub fn captchaai_solves(self) -> bool {
+        self != Self::Hcaptcha
+    }
+
+    /// Whether the answer is JSON (a GeeTest object, BLS's list of cells), handed out as JSON
+    /// in `res.php`'s JSON answers as 2captcha does.
+    pub fn structured_answer(self) -> bool {
+        matches!(self, Self::Geetest | Self::Bls)
     }
 
     pub fn parse(s: &str) -> Result<Self, ParseError> {
@@ -253,25 +328,33 @@ impl CaptchaKind {
     }
 
     /// How long a solution stays usable after it was issued. `None`: it does not expire
-    /// (an image's text).
+    /// (an image's text, BLS's cells). Where no lifetime is published (GeeTest's validate, a
+    /// Cloudflare clearance, whose site may set its passage as short as 5 minutes), the long one
+    /// of those known, 300 s, is taken.
     pub fn token_lifetime(self) -> Option<Duration> {
         match self {
             Self::RecaptchaV2 | Self::RecaptchaV3 | Self::RecaptchaEnterprise | Self::Hcaptcha => {
                 Some(Duration::from_secs(120))
             }
-            Self::Turnstile => Some(Duration::from_secs(300)),
-            Self::Image => None,
+            Self::Turnstile | Self::Geetest | Self::CloudflareChallenge => Some(Duration::from_secs(300)),
+            Self::Image | Self::Bls => None,
         }
     }
 
     /// The typical solve time (the protocol's figures: image 5–20 s, Turnstile 10–15 s,
-    /// reCAPTCHA 15–60 s; hCaptcha is not given and is taken as reCAPTCHA's).
+    /// reCAPTCHA 15–60 s; hCaptcha is not given and is taken as reCAPTCHA's; BLS as an image;
+    /// GeeTest and a Cloudflare challenge, not published either, as reCAPTCHA's).
     pub fn typical_solve_time(self) -> (Duration, Duration) {
         let secs = |a, b| (Duration::from_secs(a), Duration::from_secs(b));
         match self {
-            Self::Image => secs(5, 20),
+            Self::Image | Self::Bls => secs(5, 20),
             Self::Turnstile => secs(10, 15),
-            Self::RecaptchaV2 | Self::RecaptchaV3 | Self::RecaptchaEnterprise | Self::Hcaptcha => secs(15, 60),
+            Self::RecaptchaV2
+            | Self::RecaptchaV3
+            | Self::RecaptchaEnterprise
+            | Self::Hcaptcha
+            | Self::Geetest
+            | Self::CloudflareChallenge => secs(15, 60),
         }
     }
 
@@ -291,12 +374,24 @@ impl CaptchaKind {
         self.typical_solve_time().1
     }
 
-    /// After this long without an answer CaptchaAI gives up (`ERROR_CAPTCHA_UNSOLVABLE`).
+    /// After this long without an answer CaptchaAI gives up (`ERROR_CAPTCHA_UNSOLVABLE`): 300 s
+    /// for reCAPTCHA, 90 s for the rest (a Cloudflare challenge, solved through the owner's
+    /// proxy, is given reCAPTCHA's).
     pub fn max_solve_time(self) -> Duration {
         match self {
-            Self::RecaptchaV2 | Self::RecaptchaV3 | Self::RecaptchaEnterprise => Duration::from_secs(300),
-            Self::Hcaptcha | Self::Turnstile | Self::Image => Duration::from_secs(90),
+            Self::RecaptchaV2 | Self::RecaptchaV3 | Self::RecaptchaEnterprise | Self::CloudflareChallenge => {
+                Duration::from_secs(300)
+            }
+            Self::Hcaptcha | Self::Turnstile | Self::Image | Self::Geetest | Self::Bls => Duration::from_secs(90),
         }
+    }
+
+    /// When a task whose in.php outcome is unknown (or whose answer a crash lost) and whose
+    /// result has not come is sent again: by then its kind's results normally have come — the
+    /// upper end of its typical solve time, doubled for the slow tail, plus the pingback's and
+    /// the poller's grace (30 s).
+    pub fn resend_after(self) -> Duration {
+        self.typical_solve_time().1 * 2 + Duration::from_secs(30)
     }
 }
 
@@ -456,6 +551,43 @@ pub struct Task {
     /// When the submit queue released it to in.php (a task that waited in the queue); its
     /// deadlines count from then, not from its creation.
     pub released_at: Option<Timestamp>,
+    /// How a compat task's result is pushed to its `pingback` (its relay key's setting).
+    pub pingback_form: PingbackForm,
+    /// When the task was sent to in.php a second time, its first submit's outcome unknown (or
+    /// lost in a crash) and its result overdue ([`CaptchaKind::resend_after`]). Either
+    /// submission's result is then its result: the first to arrive wins.
+    pub resent_at: Option<Timestamp>,
+}
+
+/// How a task submitted through `in.php` with a `pingback` gets its result pushed there: as
+/// CaptchaAI sends a pingback, `GET <url>?id=…&code=…` (the default: code written for
+/// CaptchaAI has a GET route), or as 2captcha does, a `POST` form `id=…&code=…` — a setting of
+/// the relay key, for code written against 2captcha.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PingbackForm {
+    #[default]
+    Get,
+    Post,
+}
+
+impl PingbackForm {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Get => "get",
+            Self::Post => "post",
+        }
+    }
+
+    pub fn parse(s: &str) -> Result<Self, ParseError> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "get" | "captchaai" => Ok(Self::Get),
+            "post" | "2captcha" => Ok(Self::Post),
+            other => Err(ParseError(format!(
+                "pingback form `{other}` is neither `get` (CaptchaAI's) nor `post` (2captcha's)"
+            ))),
+        }
+    }
 }
 
 /// Where the push of a task's result to its owner's callback stands.
@@ -562,6 +694,8 @@ impl Task {
             webhook_owner: None,
             delivery: None,
             released_at: None,
+            pingback_form: PingbackForm::Get,
+            resent_at: None,
         }
     }
 
@@ -618,8 +752,11 @@ impl Task {
 
     /// A result arrived (callback, poll or redrive).
     pub fn apply(self, d: Delivery) -> Result<Applied, TransitionError> {
+        // A task sent twice has two CaptchaAI ids, the first never learnt: a result of either is
+        // its result.
         if let Some(expected) = &self.captcha_id
             && *expected != d.captcha_id
+            && self.resent_at.is_none()
         {
             return Err(TransitionError::IdMismatch { expected: expected.clone(), got: d.captcha_id });
         }
@@ -773,6 +910,17 @@ impl Task {
         }
     }
 
+    /// The user agent to use the answer [`Self::compat_answer`] hands out with, if CaptchaAI
+    /// named one (only while that answer is a fresh solution).
+    pub fn compat_user_agent(&self, now: Timestamp) -> Option<&str> {
+        let solution = match &self.state {
+            TaskState::Solved { solution, .. } => solution,
+            TaskState::Expired { late: Some(LateResult { outcome: Outcome::Solved(s), .. }), .. } => s,
+            _ => return None,
+        };
+        if self.compat_answer(now).0 { solution.user_agent() } else { None }
+    }
+
     /// The `webhook-id` of a push of this task's result: the same for the same result, however
     /// often it is sent (owners de-duplicate on it), different when the result changes (a
     /// replacement, a late result). `None` while the task is open.
@@ -817,6 +965,7 @@ impl Task {
             captcha_id: self.captcha_id.clone(),
             submitted_at: None,
             solution: None,
+            user_agent: None,
             error_code: None,
             error_detail: None,
             resolved_at: None,
@@ -863,6 +1012,7 @@ impl Task {
                         Some("the solution is older than its token lifetime and was not handed out".into());
                 } else {
                     v.solution = Some(solution.expose().to_owned());
+                    v.user_agent = solution.user_agent().map(str::to_owned);
                 }
             }
             TaskState::Failed { code, detail, resolved_at, via } => {
@@ -936,6 +1086,10 @@ pub struct TaskView {
     pub submitted_at: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub solution: Option<String>,
+    /// The user agent to use `solution` with, where CaptchaAI named one (reCAPTCHA Enterprise,
+    /// a Cloudflare challenge).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub user_agent: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error_code: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -72,7 +72,7 @@ pub mod relay_keys;
 pub use deliveries::{DELIVERY_INDEX, DeliveryFinish, DueDelivery};
 pub use hosts::{HostRecord, SlotWrite};
 pub use queue::{Permit, Publish, QUEUE_INDEX, QueuedRef, Released, Reserved, SubmitState};
-pub use relay_keys::{KeyCheck, KeyInfo, RelayKeys};
+pub use relay_keys::{KeyCheck, KeyGrant, KeyInfo, RelayKeys};
 
 mod attr {
     pub const PK: &str = "pk";
@@ -82,6 +82,8 @@ mod attr {
     pub const CAPTCHA_ID: &str = "captcha_id";
     pub const SUBMITTED_AT: &str = "submitted_at";
     pub const SOLUTION: &str = "solution";
+    /// The user agent the solution was earned with, where CaptchaAI named one.
+    pub const USER_AGENT: &str = "user_agent";
     pub const ERROR_CODE: &str = "error_code";
     pub const ERROR_DETAIL: &str = "error_detail";
     pub const RESOLVED_AT: &str = "resolved_at";
@@ -102,6 +104,10 @@ mod attr {
     pub const HANDED_OUT_AT: &str = "handed_out_at";
     pub const OWNER_CALLBACK: &str = "owner_callback";
     pub const WEBHOOK_OWNER: &str = "webhook_owner";
+    /// `post` on a compat task whose relay key pushes 2captcha's form (absent: CaptchaAI's GET).
+    pub const PINGBACK_FORM: &str = "pingback_form";
+    /// When the task was sent to in.php a second time (see `Task::resent_at`).
+    pub const RESENT_AT: &str = "resent_at";
     // The submit queue (see `queue`).
     pub const QUEUED_AT: &str = "queued_at";
     pub const Q_LANE: &str = "q_lane";
@@ -259,6 +265,9 @@ pub struct Breaker {
     pub res_php_only: bool,
     /// res.php answered a batch read in a way that says it does not take `ids=`.
     pub batch_unsupported: bool,
+    /// Opened because the plan has run out (`ERROR_ZERO_BALANCE` with threads free): it holds
+    /// submits back, not reads — results of tasks already taken still come.
+    pub submits_only: bool,
 }
 
 /// Why the breaker opens.
@@ -268,6 +277,9 @@ pub enum Stop {
     Ban { needs_operator: bool },
     /// res.php answers are missing (timeouts, 5xx, HTML): reads pause.
     NoAnswers,
+    /// CaptchaAI's plan has expired or is out of balance: submits stop (an operator renews it),
+    /// reads go on.
+    PlanOut,
 }
 
 impl Breaker {
@@ -283,17 +295,23 @@ impl Breaker {
             needs_operator: matches!(item.get("needs_operator"), Some(AttributeValue::Bool(true))),
             res_php_only: matches!(item.get("res_php_only"), Some(AttributeValue::Bool(true))),
             batch_unsupported: get_ts(item, "batch_unsupported_at")?.is_some(),
+            submits_only: matches!(item.get("submits_only"), Some(AttributeValue::Bool(true))),
         })
     }
 
     /// Until when res.php reads are stopped, if they are at `now`.
     pub fn open_at(&self, now: Timestamp) -> Option<Timestamp> {
-        self.open_until.filter(|u| *u > now)
+        self.open_until.filter(|u| *u > now && !self.submits_only)
     }
 
-    /// Until when submits (in.php) are stopped, if they are at `now`: only by a ban.
+    /// Until when submits (in.php) are stopped, if they are at `now`: by a ban or a plan run out.
     pub fn open_for_submits_at(&self, now: Timestamp) -> Option<Timestamp> {
-        self.open_at(now).filter(|_| !self.res_php_only)
+        self.open_until.filter(|u| *u > now && !self.res_php_only)
+    }
+
+    /// Whether it is open because the plan has run out.
+    pub fn plan_out(&self) -> bool {
+        self.submits_only
     }
 }
 
@@ -409,7 +427,9 @@ impl TryFrom<&Item> for Task {
             "solved" => {
                 let resolved_at = req_ts(item, RESOLVED_AT)?;
                 TaskState::Solved {
-                    solution: crate::domain::Solution::parse(req_s(item, SOLUTION)?).map_err(corrupt(SOLUTION))?,
+                    solution: crate::domain::Solution::parse(req_s(item, SOLUTION)?)
+                        .map_err(corrupt(SOLUTION))?
+                        .with_user_agent(get_s(item, USER_AGENT)?),
                     resolved_at,
                     via: via()?,
                     token_clock_start: issued_after(get_ts(item, TOKEN_CLOCK_START)?)?,
@@ -453,6 +473,12 @@ impl TryFrom<&Item> for Task {
             webhook_owner,
             delivery,
             released_at: get_ts(item, RELEASED_AT)?,
+            resent_at: get_ts(item, RESENT_AT)?,
+            pingback_form: get_s(item, PINGBACK_FORM)?
+                .map(crate::domain::PingbackForm::parse)
+                .transpose()
+                .map_err(corrupt(PINGBACK_FORM))?
+                .unwrap_or_default(),
         })
     }
 }
@@ -610,14 +636,32 @@ impl TaskStore {
         deadline: Timestamp,
         fingerprint: Option<&str>,
     ) -> Result<Created, StoreError> {
-        let in_work: Item = [
+        self.create_sendable(task, deadline, fingerprint, None).await
+    }
+
+    /// [`Self::create`], keeping what in.php needs (the request and its pingback) until in.php's
+    /// id is stored: a task whose submit's outcome is lost can then be sent again
+    /// ([`Self::mark_resent`]).
+    pub async fn create_sendable(
+        &self,
+        task: &Task,
+        deadline: Timestamp,
+        fingerprint: Option<&str>,
+        sendable: Option<(&crate::captchaai::SubmitRequest, &str)>,
+    ) -> Result<Created, StoreError> {
+        let mut extra: Item = [
             (attr::SQ_KEY, s(&queue::in_work_key(&task.task_ref, self.shards))),
             (attr::SQ_AT, n(task.created_at.plus(task.kind.busy_for()).as_millis())),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_owned(), v))
         .collect();
-        self.put_new(task, Some(deadline), fingerprint, in_work).await
+        if let Some((request, pingback)) = sendable {
+            let json = serde_json::to_string(request).map_err(|e| StoreError::Rejected(e.to_string()))?;
+            extra.insert("sq_req".to_owned(), s(&json));
+            extra.insert("sq_pingback".to_owned(), s(pingback));
+        }
+        self.put_new(task, Some(deadline), fingerprint, extra).await
     }
 
     /// The one conditional put of a new task (submitting with a `deadline` for the poller, or
@@ -655,6 +699,9 @@ impl TaskStore {
                 WEBHOOK_OWNER.to_owned(),
                 s(task.webhook_owner.as_deref().unwrap_or(deliveries::DEFAULT_OWNER)),
             );
+            if task.pingback_form != crate::domain::PingbackForm::Get {
+                item.insert(PINGBACK_FORM.to_owned(), s(task.pingback_form.as_str()));
+            }
         }
         let res = self
             .client
@@ -715,7 +762,7 @@ impl TaskStore {
     }
 
     /// In.php was called but its answer does not say whether it took the task: the task stays
-    /// submitting, marked unknown with the reason (never failed, never submitted again).
+    /// submitting, marked unknown with the reason (never failed; sent again at most once, by the poller, when its result is overdue).
     pub async fn mark_submit_unknown(&self, task_ref: &TaskRef, detail: &str) -> Result<bool, StoreError> {
         let res = self
             .client
@@ -831,7 +878,7 @@ impl TaskStore {
         let open = self
             .result_write(task_ref, d)
             .condition_expression(
-                "#state IN (:submitting, :pending, :queued) AND (attribute_not_exists(captcha_id) OR captcha_id = :id)",
+                "#state IN (:submitting, :pending, :queued) AND (attribute_not_exists(captcha_id) OR captcha_id = :id OR attribute_exists(resent_at))",
             )
             .expression_attribute_values(":submitting", s("submitting"))
             .expression_attribute_values(":pending", s("pending"))
@@ -859,7 +906,7 @@ impl TaskStore {
         let req = self
             .result_write(task_ref, d)
             .condition_expression(
-                "attribute_exists(pk) AND (attribute_not_exists(captcha_id) OR captcha_id = :id) AND ( \
+                "attribute_exists(pk) AND (attribute_not_exists(captcha_id) OR captcha_id = :id OR attribute_exists(resent_at)) AND ( \
                  #state IN (:submitting, :pending, :queued) \
                  OR (#state = :failed AND resolved_via = :submit) \
                  OR (#state = :expired AND resolved_at >= :at) \
@@ -926,19 +973,28 @@ impl TaskStore {
         const CLEAR: &str = "REMOVE poll_due_at, poll_shard, lease_owner, error_detail, submit_unknown, sq_key, sq_at, \
                              sq_req, sq_pingback";
         match &d.outcome {
-            Outcome::Solved(solution) => req
-                .update_expression(format!(
-                    "SET #state = :solvedstate, solution = :solution, token_clock_start = :clock, {COMMON}, \
-                     {DELIVERY_DUE} {CLEAR}, {DELIVERY_CLEAR}, error_code"
+            Outcome::Solved(solution) => {
+                // The user agent goes and comes with its solution.
+                let (ua_set, ua_clear) = match solution.user_agent() {
+                    Some(ua) => {
+                        req = req.expression_attribute_values(":ua", s(ua));
+                        (", user_agent = :ua", "")
+                    }
+                    None => ("", ", user_agent"),
+                };
+                req.update_expression(format!(
+                    "SET #state = :solvedstate, solution = :solution, token_clock_start = :clock{ua_set}, {COMMON}, \
+                     {DELIVERY_DUE} {CLEAR}, {DELIVERY_CLEAR}, error_code{ua_clear}"
                 ))
                 .expression_attribute_values(":solvedstate", s("solved"))
                 .expression_attribute_values(":solution", s(solution.expose()))
-                .expression_attribute_values(":clock", n(d.token_clock_start.as_millis())),
+                .expression_attribute_values(":clock", n(d.token_clock_start.as_millis()))
+            }
             Outcome::Failed(code) => req
                 // A verdict received earlier can replace a solution: no token stays on a failed task.
                 .update_expression(format!(
                     "SET #state = :failedstate, error_code = :code, {COMMON}, {DELIVERY_DUE} \
-                     {CLEAR}, {DELIVERY_CLEAR}, solution, token_clock_start"
+                     {CLEAR}, {DELIVERY_CLEAR}, solution, token_clock_start, user_agent"
                 ))
                 .expression_attribute_values(":failedstate", s("failed"))
                 .expression_attribute_values(":code", s(code.as_ref())),
@@ -982,7 +1038,7 @@ impl TaskStore {
             // before this).
             .condition_expression(
                 "#state = :expired AND attribute_not_exists(late_code) AND resolved_at < :at \
-                 AND (attribute_not_exists(captcha_id) OR captcha_id = :id)",
+                 AND (attribute_not_exists(captcha_id) OR captcha_id = :id OR attribute_exists(resent_at))",
             )
             .expression_attribute_names("#state", attr::STATE)
             .expression_attribute_values(":expired", s("expired"))
@@ -1310,15 +1366,29 @@ impl TaskStore {
         stop: Stop,
         now: Timestamp,
     ) -> Result<bool, StoreError> {
-        let (needs_operator, res_php_only, condition) = match stop {
+        let (needs_operator, res_php_only, submits_only, condition) = match stop {
             Stop::Ban { needs_operator } => {
                 // A ban replaces a pause for missing answers whatever its length: it also stops submits.
-                (needs_operator, false, "attribute_not_exists(open_until) OR open_until < :until OR res_php_only = :t")
+                (
+                    needs_operator,
+                    false,
+                    false,
+                    "attribute_not_exists(open_until) OR open_until < :until OR res_php_only = :t OR submits_only = :t",
+                )
             }
             Stop::NoAnswers => (
                 false,
                 true,
+                false,
                 "attribute_not_exists(open_until) OR open_until <= :now OR (res_php_only = :t AND open_until < :until)",
+            ),
+            // Never over a ban (which stops reads too).
+            Stop::PlanOut => (
+                true,
+                false,
+                true,
+                "attribute_not_exists(open_until) OR open_until <= :now OR res_php_only = :t \
+                 OR (submits_only = :t AND open_until < :until)",
             ),
         };
         let req = self
@@ -1328,7 +1398,7 @@ impl TaskStore {
             .key(attr::PK, s(Breaker::KEY))
             .update_expression(
                 "SET open_until = :until, reason = :reason, opened_at = :now, needs_operator = :op, \
-                 res_php_only = :scope, opened_count = if_not_exists(opened_count, :zero) + :one",
+                 res_php_only = :scope, submits_only = :so, opened_count = if_not_exists(opened_count, :zero) + :one",
             )
             .condition_expression(condition)
             .expression_attribute_values(":until", n(until.as_millis()))
@@ -1336,6 +1406,7 @@ impl TaskStore {
             .expression_attribute_values(":now", n(now.as_millis()))
             .expression_attribute_values(":op", AttributeValue::Bool(needs_operator))
             .expression_attribute_values(":scope", AttributeValue::Bool(res_php_only))
+            .expression_attribute_values(":so", AttributeValue::Bool(submits_only))
             .expression_attribute_values(":zero", n(0))
             .expression_attribute_values(":one", n(1))
             .expression_attribute_values(":t", AttributeValue::Bool(true));

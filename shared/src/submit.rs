@@ -4,9 +4,11 @@
 //! A submit is sent at once (inline, by the API) while the queue is empty and CaptchaAI has a
 //! free thread for it (a *permit*, published by the releaser); otherwise — a burst above the
 //! plan, a "no slot" answer, a ban, a full second of the in.php pace — it is queued, answered
-//! 202, and released by the submitter as threads free (see `relay-submitter`). Never-pay-twice
-//! holds on both paths: a task goes back to the queue only after an explicit refusal; any
-//! answer that does not prove one leaves it "outcome unknown", never sent again.
+//! 202, and released by the submitter as threads free (see `relay-submitter`). A task goes
+//! back to the queue only after an explicit refusal; any answer that does not prove one leaves
+//! it "outcome unknown": its pingback resolves it, or — on CaptchaAI, which bills threads and not
+//! solutions — the poller sends it once more when its result is overdue (at most one extra
+//! in.php per task; never on an upstream that bills per solution).
 
 pub mod lanes;
 pub mod window;
@@ -28,8 +30,8 @@ use crate::time::{Clock, Timestamp};
 pub enum InPhp {
     /// CaptchaAI has it under this id (and will be paid).
     Accepted(CaptchaId),
-    /// The answer does not say whether CaptchaAI took it: never sent again, never called
-    /// failed (its pingback will say).
+    /// The answer does not say whether CaptchaAI took it: never called failed (its pingback
+    /// will say), not sent again here (the poller may, once, when its result is overdue).
     Unknown(CaptchaAiError),
     /// No free thread (`ERROR_NO_SLOT_AVAILABLE`, or `ERROR_ZERO_BALANCE` as CaptchaAI uses it):
     /// nothing was taken; back to the queue.
@@ -42,6 +44,11 @@ pub enum InPhp {
     /// Refused for good (a bad parameter, an image CaptchaAI will not take): the task fails.
     Refused(CaptchaAiError),
 }
+
+/// "Refused for now" answers (server error codes, connections that never opened) a task gets
+/// before it is failed with the last one: a method CaptchaAI answers `ERROR_SERVER_ERROR` every
+/// time (one it does not solve) is not retried for ever.
+pub const MAX_REFUSALS_FOR_NOW: u32 = 5;
 
 /// The codes CaptchaAI answers when every thread of the plan is busy.
 pub fn is_no_slot(code: &str) -> bool {
@@ -88,6 +95,53 @@ pub struct QueueSettings {
     pub submits_per_second: u32,
     /// The thread window (`CAPTCHAAI_THREADS`, `SUBMIT_NO_SLOT_PER_MINUTE`).
     pub window: window::WindowSettings,
+    /// What the upstream is (`CAPTCHAAI_FLAVOR`): which kinds it solves.
+    pub upstream: Upstream,
+}
+
+/// The service behind `CAPTCHAAI_BASE_URL` (`CAPTCHAAI_FLAVOR`): CaptchaAI (the default), or
+/// another 2captcha-compatible service. It decides which kinds are accepted (CaptchaAI does not
+/// solve hCaptcha: it answers `ERROR_SERVER_ERROR`) and whether a task whose in.php outcome is
+/// unknown is sent again (CaptchaAI bills threads by the month, so a second in.php costs thread
+/// time, not money; a service that bills per solution could charge twice: the relay then waits).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Upstream {
+    #[default]
+    CaptchaAi,
+    TwoCaptcha,
+}
+
+impl Upstream {
+    pub fn from_settings(env: &Settings) -> Result<Self, ConfigError> {
+        match env.optional("CAPTCHAAI_FLAVOR").map(|v| v.trim().to_ascii_lowercase()).as_deref() {
+            None | Some("" | "captchaai") => Ok(Self::CaptchaAi),
+            Some("2captcha") => Ok(Self::TwoCaptcha),
+            Some(_) => Err(ConfigError::Invalid {
+                name: "CAPTCHAAI_FLAVOR".into(),
+                reason: "must be `captchaai` or `2captcha` (another 2captcha-compatible service)".into(),
+            }),
+        }
+    }
+
+    /// Whether a task of `kind` may be submitted to it.
+    pub fn solves(self, kind: crate::domain::CaptchaKind) -> bool {
+        self == Self::TwoCaptcha || kind.captchaai_solves()
+    }
+
+    /// Why `kind` is refused at submit, for the caller.
+    pub fn refusal(self, kind: crate::domain::CaptchaKind) -> String {
+        format!(
+            "CaptchaAI does not solve {kind} (it answers ERROR_SERVER_ERROR); it solves images, BLS, reCAPTCHA \
+             v2/v3/Enterprise, Turnstile, Cloudflare challenges and GeeTest v3. A relay in front of another \
+             2captcha-compatible service that solves it sets CAPTCHAAI_FLAVOR=2captcha"
+        )
+    }
+
+    /// Whether a task whose in.php outcome is unknown is sent again once its kind's results are
+    /// overdue (`RESEND_UNKNOWN_SUBMITS`, default: yes on CaptchaAI, no elsewhere).
+    pub fn resend_default(self) -> bool {
+        self == Self::CaptchaAi
+    }
 }
 
 /// The code a task fails with when it waited in the queue longer than `QUEUE_MAX_WAIT_SECS`.
@@ -110,6 +164,7 @@ impl Default for QueueSettings {
             max_wait: Duration::from_secs(600),
             submits_per_second: SUBMITS_PER_SECOND,
             window: window::WindowSettings::default(),
+            upstream: Upstream::CaptchaAi,
         }
     }
 }
@@ -129,6 +184,7 @@ impl QueueSettings {
                 no_slot_per_minute: env.parse_or("SUBMIT_NO_SLOT_PER_MINUTE", d.window.no_slot_per_minute)?,
                 ..d.window
             },
+            upstream: Upstream::from_settings(env)?,
         };
         if s.max_per_owner == 0 || s.max_total == 0 {
             return Err(invalid("QUEUE_MAX_TOTAL", "queue bounds must be at least 1"));
@@ -278,9 +334,9 @@ impl Recorder<'_> {
     /// In.php's answer does not say whether it took the task: keep it `submitting`, marked so.
     pub async fn unknown(&self, task: &Task, err: &CaptchaAiError) -> Task {
         let detail = format!(
-            "in.php's answer was lost ({err}): CaptchaAI may have the task. Its pingback will record it; if none comes it \
-             expires at its deadline. The relay does not submit it again; a client retry with the same Idempotency-Key is \
-             safe, a retry without one may pay twice"
+            "in.php's answer was lost ({err}): CaptchaAI may have the task. Its pingback will record it; if none comes \
+             by the time its kind's results normally have, the relay sends it once more on CaptchaAI (which bills threads, \
+             not solutions), else it expires at its deadline. A client retry with the same Idempotency-Key is safe"
         );
         tracing::warn!(event = "submit_unknown", task_ref = %task.task_ref, error = %err, "in.php outcome unknown; not retried, not failed");
         metrics::counter!("submits", "outcome" => "unknown").increment(1);

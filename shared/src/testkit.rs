@@ -33,6 +33,15 @@ pub fn body_for(kind: crate::domain::CaptchaKind) -> &'static str {
         crate::domain::CaptchaKind::Image => {
             r#"{"kind":"image","body":"iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAAAABJRU5ErkJggg=="}"#
         }
+        crate::domain::CaptchaKind::Geetest => {
+            r#"{"kind":"geetest","gt":"81388ea1fc187e0c335c0a8907ff2625","challenge":"2e2f0f65240058b683cb6ea21c303eea","pageurl":"https://shop.example/login"}"#
+        }
+        crate::domain::CaptchaKind::CloudflareChallenge => {
+            r#"{"kind":"cloudflare_challenge","pageurl":"https://shop.example/login","browser":{"proxy":"user:pass@203.0.113.7:3128","proxytype":"HTTP"}}"#
+        }
+        crate::domain::CaptchaKind::Bls => {
+            r#"{"kind":"bls","instructions":"664","images":["iVBORw0KGgo=","iVBORw0KGgo=","iVBORw0KGgo=","iVBORw0KGgo=","iVBORw0KGgo=","iVBORw0KGgo=","iVBORw0KGgo=","iVBORw0KGgo=","iVBORw0KGgo="]}"#
+        }
     }
 }
 

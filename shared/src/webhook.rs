@@ -385,9 +385,11 @@ fn embedded_v4(ip: Ipv6Addr) -> Option<Ipv4Addr> {
     }
 }
 
-/// One request to send.
+/// One request to send: a `POST` of `body` as `content_type`, or a `GET` of `url` (its query
+/// carries the message; `body` is empty and signed as such).
 pub struct Outgoing<'a> {
     pub url: &'a str,
+    pub method: PushMethod,
     /// `webhook-id`: the same for every attempt of a message, so receivers can drop repeats.
     pub msg_id: &'a str,
     /// `webhook-timestamp`, unix seconds.
@@ -396,6 +398,14 @@ pub struct Outgoing<'a> {
     /// Over [`MAX_BODY`] is refused without sending.
     pub body: Vec<u8>,
     pub keys: &'a SigningKeys,
+}
+
+/// The HTTP method of a push: `POST` with a body (JSON, or 2captcha's pingback form), or `GET`
+/// with the result in the URL's query (CaptchaAI's pingback).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PushMethod {
+    Post,
+    Get,
 }
 
 /// What one attempt came to.
@@ -550,7 +560,7 @@ impl Sender {
         self.policy
     }
 
-    /// Sends one attempt: a POST with the body and the three `webhook-*` headers.
+    /// Sends one attempt: the request ([`PushMethod`]) with the three `webhook-*` headers.
     pub async fn send(&self, req: &Outgoing<'_>) -> AttemptResult {
         if req.body.len() > MAX_BODY {
             return AttemptResult::Refused {
@@ -568,14 +578,16 @@ impl Sender {
             return AttemptResult::Refused { reason: "the content type is not a valid header value".into() };
         };
         let signature = req.keys.signature_header(req.msg_id, req.timestamp, &req.body);
-        let sent = self
-            .http
-            .post(url)
+        let builder = match req.method {
+            PushMethod::Post => {
+                self.http.post(url).header(http::header::CONTENT_TYPE, content_type).body(req.body.clone())
+            }
+            PushMethod::Get => self.http.get(url),
+        };
+        let sent = builder
             .header("webhook-id", msg_id)
             .header("webhook-timestamp", req.timestamp)
             .header("webhook-signature", signature)
-            .header(http::header::CONTENT_TYPE, content_type)
-            .body(req.body.clone())
             .send()
             .await;
         let mut resp = match sent {
@@ -1040,6 +1052,7 @@ mod tests {
     fn outgoing<'a>(url: &'a str, keys: &'a SigningKeys, body: &[u8]) -> Outgoing<'a> {
         Outgoing {
             url,
+            method: PushMethod::Post,
             msg_id: "msg_2Vv8Qm3TfLxZ",
             timestamp: now_secs(),
             content_type: "application/json",

@@ -25,7 +25,7 @@ use lambda_http::{Body, Request, Response};
 use relay_shared::captchaai::{Browser, CaptchaAiError, MAX_IMAGE_BASE64, SubmitRequest};
 use relay_shared::domain::{Task, TaskRef, TaskState};
 use relay_shared::http::{parse_form, query_string};
-use relay_shared::store::KeyCheck;
+use relay_shared::store::{KeyCheck, KeyGrant};
 use sha2::{Digest, Sha256};
 
 use crate::{Deps, Pin, SubmitInput, Submitted, pin, submit_task};
@@ -264,10 +264,10 @@ fn multipart(body: &[u8], boundary: &str) -> Result<Vec<Part>, String> {
 }
 
 /// Checks the `key` parameter; `Err` is the answer to give.
-async fn authorise(p: &Params, deps: &Deps) -> Result<String, Response<Body>> {
+async fn authorise(p: &Params, deps: &Deps) -> Result<KeyGrant, Response<Body>> {
     let given = p.get("key").unwrap_or("");
     match deps.relay_keys.check(given).await {
-        Ok(KeyCheck::Valid(name)) => Ok(name),
+        Ok(KeyCheck::Valid(grant)) => Ok(grant),
         Ok(KeyCheck::Malformed) => {
             metrics::counter!("compat_requests", "outcome" => "bad_key").increment(1);
             Err(answer(
@@ -400,11 +400,29 @@ fn captcha(p: &Params) -> Result<SubmitRequest, (&'static str, String)> {
                 .collect();
             SubmitRequest::Image { body, hints }
         }
+        "geetest" => SubmitRequest::Geetest {
+            gt: need("gt", "ERROR_BAD_PARAMETERS")?,
+            challenge: need("challenge", "ERROR_BAD_PARAMETERS")?,
+            pageurl: need("pageurl", "ERROR_PAGEURL")?,
+            api_server: owned(p, "api_server").or_else(|| owned(p, "apiServer")),
+            browser: browser(),
+        },
+        "cloudflare_challenge" => {
+            SubmitRequest::CloudflareChallenge { pageurl: need("pageurl", "ERROR_PAGEURL")?, browser: browser() }
+        }
+        "bls" => SubmitRequest::Bls {
+            instructions: need("instructions", "ERROR_BAD_PARAMETERS")?,
+            images: relay_shared::captchaai::BLS_FIELDS
+                .iter()
+                .map(|f| need(f, "ERROR_BAD_PARAMETERS").map(|v| v.replace(' ', "+")))
+                .collect::<Result<_, _>>()?,
+        },
         other => {
             return Err((
                 "ERROR_BAD_PARAMETERS",
                 format!(
-                    "method `{other}` is not supported by the relay (userrecaptcha, hcaptcha, turnstile, base64, post)"
+                    "method `{other}` is not supported by the relay (userrecaptcha, turnstile, geetest, \
+                     cloudflare_challenge, bls, base64, post; hcaptcha where the upstream solves it)"
                 ),
             ));
         }
@@ -416,8 +434,9 @@ fn captcha(p: &Params) -> Result<SubmitRequest, (&'static str, String)> {
     Ok(req)
 }
 
-/// The owner's own callback URL (`pingback`): results are pushed there, in 2captcha's pingback
-/// form. Checked as any owner URL is (https, public addresses only on AWS).
+/// The owner's own callback URL (`pingback`): results are pushed there as CaptchaAI sends a
+/// pingback (or 2captcha, per relay key). Checked as any owner URL is (https, public addresses only
+/// on AWS).
 fn owner_pingback(p: &Params, deps: &Deps) -> Result<Option<String>, String> {
     let Some(url) = p.get("pingback") else { return Ok(None) };
     if url.chars().any(char::is_control) {
@@ -439,8 +458,8 @@ pub async fn in_php(req: &Request, deps: &Deps) -> Response<Body> {
         Ok(p) => p,
         Err(r) => return r,
     };
-    let key_name = match authorise(&p, deps).await {
-        Ok(name) => name,
+    let grant = match authorise(&p, deps).await {
+        Ok(g) => g,
         Err(r) => return r,
     };
     let submit = match captcha(&p) {
@@ -450,6 +469,10 @@ pub async fn in_php(req: &Request, deps: &Deps) -> Response<Body> {
             return answer(&p, false, code, Some(&text));
         }
     };
+    if !deps.queue.upstream.solves(submit.kind()) {
+        metrics::counter!("compat_requests", "outcome" => "bad_request").increment(1);
+        return answer(&p, false, "ERROR_BAD_PARAMETERS", Some(&deps.queue.upstream.refusal(submit.kind())));
+    }
     let owner_callback = match owner_pingback(&p, deps) {
         Ok(u) => u,
         Err(text) => return answer(&p, false, "ERROR_BAD_PARAMETERS", Some(&text)),
@@ -486,7 +509,7 @@ pub async fn in_php(req: &Request, deps: &Deps) -> Response<Body> {
         Some(k) => TaskRef::compat_from_digest(&Sha256::digest(format!("compat\0{k}").as_bytes())),
         None => TaskRef::generate_compat(),
     };
-    let webhook_owner = owner_callback.as_ref().map(|_| key_name.clone());
+    let webhook_owner = owner_callback.as_ref().map(|_| grant.name.clone());
     let input = SubmitInput {
         submit,
         fingerprint,
@@ -494,7 +517,8 @@ pub async fn in_php(req: &Request, deps: &Deps) -> Response<Body> {
         task_ref,
         owner_callback,
         webhook_owner,
-        owner: format!("key:{key_name}"),
+        pingback_form: grant.pingback,
+        owner: format!("key:{}", grant.name),
     };
     let outcome = submit_task(req, deps, input).await;
     metrics::counter!("compat_requests", "outcome" => "submit").increment(1);
@@ -521,7 +545,8 @@ pub async fn in_php(req: &Request, deps: &Deps) -> Response<Body> {
         Submitted::BreakerOpen { until, reason } => answer(
             &p,
             false,
-            "ERROR_NO_SLOT_AVAILABLE",
+            // The plan run out is CaptchaAI's own code, as the client would have had it.
+            if reason.starts_with("ERROR_ZERO_BALANCE") { "ERROR_ZERO_BALANCE" } else { "ERROR_NO_SLOT_AVAILABLE" },
             Some(&format!(
                 "the relay stopped CaptchaAI traffic until {until} ({reason}); nothing was sent, try again then"
             )),
@@ -563,17 +588,75 @@ pub async fn in_php(req: &Request, deps: &Deps) -> Response<Body> {
     }
 }
 
-/// One task's answer to `action=get`: `(ok, text)`.
-async fn read_one(raw_id: &str, deps: &Deps) -> Result<(bool, String), relay_shared::store::StoreError> {
-    let Ok(task_ref) = TaskRef::from_compat_id(raw_id) else { return Ok((false, "ERROR_WRONG_CAPTCHA_ID".into())) };
-    let Some(task) = deps.store.get(&task_ref).await? else { return Ok((false, "ERROR_WRONG_CAPTCHA_ID".into())) };
+/// One task's answer to `action=get`.
+struct Read {
+    ok: bool,
+    text: String,
+    /// The user agent to use the token with, where CaptchaAI named one.
+    user_agent: Option<String>,
+    /// The answer is JSON (GeeTest, BLS): handed out as JSON in a JSON answer, as 2captcha does.
+    structured: bool,
+}
+
+impl Read {
+    fn code(code: &str) -> Self {
+        Self { ok: false, text: code.to_owned(), user_agent: None, structured: false }
+    }
+}
+
+async fn read_one(raw_id: &str, deps: &Deps) -> Result<Read, relay_shared::store::StoreError> {
+    let Ok(task_ref) = TaskRef::from_compat_id(raw_id) else { return Ok(Read::code("ERROR_WRONG_CAPTCHA_ID")) };
+    let Some(task) = deps.store.get(&task_ref).await? else { return Ok(Read::code("ERROR_WRONG_CAPTCHA_ID")) };
     let task = match pin(task, deps).await {
         Ok(t) => t,
         Err(Pin::Store(e)) => return Err(e),
         // Still changing after several rounds: not ready to be shown yet.
-        Err(Pin::Changing) => return Ok((false, "CAPCHA_NOT_READY".into())),
+        Err(Pin::Changing) => return Ok(Read::code("CAPCHA_NOT_READY")),
     };
-    Ok(task.compat_answer(deps.clock.now()))
+    let now = deps.clock.now();
+    let (ok, text) = task.compat_answer(now);
+    Ok(Read {
+        ok,
+        structured: ok && task.kind.structured_answer(),
+        user_agent: task.compat_user_agent(now).map(str::to_owned),
+        text,
+    })
+}
+
+/// A read's answer: 2captcha's (`OK|…` or the code; `{"status","request"}` in JSON), with a
+/// structured answer as a JSON value and the user agent as an extra JSON key.
+fn read_answer(p: &Params, r: &Read) -> Response<Body> {
+    if !p.json || (r.user_agent.is_none() && !r.structured) {
+        return answer(p, r.ok, &r.text, None);
+    }
+    let request = if r.structured {
+        serde_json::from_str::<serde_json::Value>(&r.text).unwrap_or_else(|_| r.text.clone().into())
+    } else {
+        r.text.clone().into()
+    };
+    let mut v = serde_json::json!({ "status": u8::from(r.ok), "request": request });
+    if let Some(ua) = &r.user_agent {
+        v["user_agent"] = ua.clone().into();
+    }
+    let mut b =
+        Response::builder().status(200).header("content-type", "application/json").header("cache-control", "no-store");
+    if p.acao {
+        b = b.header("access-control-allow-origin", "*");
+    }
+    b.body(Body::from(v.to_string())).unwrap_or_else(|_| Response::new(Body::Empty))
+}
+
+fn over_budget() -> String {
+    format!(
+        "more than {READS_PER_SECOND} reads a second with this key; reads are answered by the relay, poll every 5 s"
+    )
+}
+
+/// A read the relay cannot answer now (its store unavailable): "not ready yet", HTTP 200 —
+/// the SDKs ask again; a 503 would end their polling with an exception.
+fn read_later(p: &Params, e: &relay_shared::store::StoreError) -> Response<Body> {
+    tracing::error!(event = "store_failed", error = %e, "task store call failed (res.php read)");
+    answer(p, false, "CAPCHA_NOT_READY", Some("the relay's task store is unavailable; ask again"))
 }
 
 /// `/res.php`.
@@ -583,21 +666,18 @@ pub async fn res_php(req: &Request, deps: &Deps) -> Response<Body> {
         Err(r) => return r,
     };
     let owner = match authorise(&p, deps).await {
-        Ok(name) => name,
+        Ok(grant) => grant.name,
         Err(r) => return r,
     };
     if !deps.compat.take_read(&owner) {
         metrics::counter!("compat_requests", "outcome" => "rate_limited").increment(1);
-        let mut r = answer_with(
-            p.json,
-            p.acao,
-            429,
-            false,
-            "ERROR_TOO_MUCH_REQUESTS",
-            Some(&format!(
-                "more than {READS_PER_SECOND} reads a second with this key; reads are answered by the relay, poll every 5 s"
-            )),
-        );
+        // The SDKs' polling ends on anything but HTTP 200 (the Python SDK raises on a 429 or a
+        // 503; the JavaScript SDK on any code but CAPCHA_NOT_READY): a read over the budget is
+        // "not ready yet", which both ask again after their interval.
+        if p.get("action") == Some("get") {
+            return answer(&p, false, "CAPCHA_NOT_READY", Some(&over_budget()));
+        }
+        let mut r = answer_with(p.json, p.acao, 429, false, "ERROR_TOO_MUCH_REQUESTS", Some(&over_budget()));
         r.headers_mut().insert("retry-after", http::HeaderValue::from_static("1"));
         return r;
     }
@@ -617,8 +697,11 @@ pub async fn res_php(req: &Request, deps: &Deps) -> Response<Body> {
                 let mut parts = Vec::with_capacity(ids.len());
                 for id in ids {
                     match read_one(id, deps).await {
-                        Ok((_, text)) => parts.push(text),
-                        Err(e) => return store_trouble(&p, &e),
+                        Ok(r) => parts.push(r.text),
+                        Err(e) => {
+                            tracing::error!(event = "store_failed", error = %e, "task store call failed (res.php read)");
+                            parts.push("CAPCHA_NOT_READY".into());
+                        }
                     }
                 }
                 return bare(&p, true, &parts.join("|"));
@@ -627,8 +710,8 @@ pub async fn res_php(req: &Request, deps: &Deps) -> Response<Body> {
                 return answer(&p, false, "ERROR_WRONG_CAPTCHA_ID", Some("`id` is required"));
             };
             match read_one(id, deps).await {
-                Ok((ok, text)) => answer(&p, ok, &text, None),
-                Err(e) => store_trouble(&p, &e),
+                Ok(r) => read_answer(&p, &r),
+                Err(e) => read_later(&p, &e),
             }
         }
         Some("getbalance") => balance(&p, deps).await,

@@ -13,8 +13,8 @@
 //! - sends it once: an explicit refusal for now (no free thread, a ban, a server error code)
 //!   puts it in the queue instead of a retry here; any answer that does not prove a refusal — a
 //!   timeout, a cut connection, a 5xx, an HTML page — leaves the task `submitting` with
-//!   "outcome unknown", never sent again by the relay and never called failed (its pingback will
-//!   say);
+//!   "outcome unknown", never called failed (its pingback will say) and sent again at most once,
+//!   by the poller, when its result is overdue (on CaptchaAI only, which bills threads);
 //! - never loses CaptchaAI's id: storing it is retried, and if that keeps failing it goes to
 //!   the dead-letter queue for the redrive function to store.
 
@@ -257,6 +257,9 @@ fn replay(task: &Task, stored: Option<&str>, fingerprint: &str, now: Timestamp) 
 
 async fn submit(req: &Request, deps: &Deps) -> Result<Response<Body>, Response<Body>> {
     let (submit, fingerprint, owner_callback) = parse_submit(req, deps.delivery_policy)?;
+    if !deps.queue.upstream.solves(submit.kind()) {
+        return Err(problem(422, "unsupported_kind", &deps.queue.upstream.refusal(submit.kind())));
+    }
     let idem = idempotency_key(req)?;
     let owner = deps.auth.owner(req);
     let task_ref = match &idem {
@@ -264,8 +267,16 @@ async fn submit(req: &Request, deps: &Deps) -> Result<Response<Body>, Response<B
         None => TaskRef::generate(),
     };
     let webhook_owner = owner_callback.as_ref().map(|_| relay_shared::store::deliveries::DEFAULT_OWNER.to_owned());
-    let input =
-        SubmitInput { submit, fingerprint, keyed: idem.is_some(), task_ref, owner_callback, webhook_owner, owner };
+    let input = SubmitInput {
+        submit,
+        fingerprint,
+        keyed: idem.is_some(),
+        task_ref,
+        owner_callback,
+        webhook_owner,
+        pingback_form: relay_shared::domain::PingbackForm::default(),
+        owner,
+    };
     Ok(match submit_task(req, deps, input).await {
         Submitted::Accepted(task) | Submitted::Queued(task) => json(202, &task.view(deps.clock.now())),
         Submitted::Replayed { task, stored, fingerprint } => {
@@ -316,6 +327,8 @@ pub(crate) struct SubmitInput {
     pub owner_callback: Option<String>,
     /// Whose webhook secret signs the pushes to `owner_callback`.
     pub webhook_owner: Option<String>,
+    /// How a compat task's result goes to its `pingback` (its relay key's setting).
+    pub pingback_form: relay_shared::domain::PingbackForm,
     /// Who submits (the IAM caller, the relay key's name): whose queue lane it waits in.
     pub owner: String,
 }
@@ -347,7 +360,8 @@ pub(crate) enum Submitted {
 /// The submit itself: a permit (or the queue), the pace, one conditional put, in.php once, then
 /// the id stored or dead-lettered, or the task queued after an explicit refusal for now.
 pub(crate) async fn submit_task(req: &Request, deps: &Deps, input: SubmitInput) -> Submitted {
-    let SubmitInput { submit, fingerprint, keyed, task_ref, owner_callback, webhook_owner, owner } = input;
+    let SubmitInput { submit, fingerprint, keyed, task_ref, owner_callback, webhook_owner, pingback_form, owner } =
+        input;
     let kind = submit.kind();
     let now = deps.clock.now();
     let lane = lane_id(&owner, kind);
@@ -378,7 +392,7 @@ pub(crate) async fn submit_task(req: &Request, deps: &Deps, input: SubmitInput) 
             if let Some(open) = state.as_ref().and_then(|st| key_rejected(st, now)) {
                 return open;
             }
-            let task = Task { owner_callback, webhook_owner, ..Task::queued(task_ref, kind, now, lane) };
+            let task = Task { owner_callback, webhook_owner, pingback_form, ..Task::queued(task_ref, kind, now, lane) };
             return enqueue(deps, task, &submit, &pingback, fp, &fingerprint, state).await;
         }
         // Paced account-wide, so a burst of submits never earns MAX_USER_TURN; over the pace,
@@ -387,7 +401,7 @@ pub(crate) async fn submit_task(req: &Request, deps: &Deps, input: SubmitInput) 
             Ok(true) => {}
             Ok(false) => {
                 give_back_permit(deps).await;
-                let task = Task { owner_callback, webhook_owner, ..Task::queued(task_ref, kind, now, lane) };
+                let task = Task { owner_callback, webhook_owner, pingback_form, ..Task::queued(task_ref, kind, now, lane) };
                 return enqueue(deps, task, &submit, &pingback, fp, &fingerprint, None).await;
             }
             Err(e) => {
@@ -395,12 +409,13 @@ pub(crate) async fn submit_task(req: &Request, deps: &Deps, input: SubmitInput) 
                 return Submitted::Store(e);
             }
         }
-        let task = Task { owner_callback, webhook_owner, ..Task::new(task_ref.clone(), kind, now) };
-        // Recorded before in.php hears of it. If in.php's answer is never stored, the poller
-        // expires the task at this deadline.
+        let task = Task { owner_callback, webhook_owner, pingback_form, ..Task::new(task_ref.clone(), kind, now) };
+        // Recorded before in.php hears of it, with what a second in.php needs: if in.php's
+        // answer is never stored, the poller looks at the task at this deadline (and sends it
+        // again, once, or expires it).
         let grace = deps.callback_grace.for_kind(kind);
         let deadline = now.plus(deadline_after(deps, kind));
-        match deps.store.create(&task, deadline, fp).await {
+        match deps.store.create_sendable(&task, deadline, fp, Some((&submit, &pingback))).await {
             Ok(Created::New) => {}
             Ok(Created::Existing { task, fingerprint: stored }) => {
                 give_back_permit(deps).await;
@@ -561,8 +576,17 @@ fn state_item(
 
 /// When, after it is sent, the poller looks at a task whose in.php answer was never stored: its
 /// callback's grace and CaptchaAI's longest solve.
+/// When the poller first looks at a task whose in.php id was never stored: when it is sent
+/// again if its result is overdue by then (CaptchaAI: [`CaptchaKind::resend_after`]), or when
+/// it expires (an upstream that bills per solution is never sent a task twice).
+///
+/// [`CaptchaKind::resend_after`]: relay_shared::domain::CaptchaKind::resend_after
 fn deadline_after(deps: &Deps, kind: relay_shared::domain::CaptchaKind) -> Duration {
-    deps.callback_grace.for_kind(kind) + kind.max_solve_time()
+    if deps.queue.upstream.resend_default() {
+        kind.resend_after()
+    } else {
+        deps.callback_grace.for_kind(kind) + kind.max_solve_time()
+    }
 }
 
 /// Takes back a reservation that was not used (a count left too high is reconciled by the
@@ -828,7 +852,7 @@ mod tests {
             },
             waker: Arc::new(relay_shared::submit::NotifyWaker::default()),
             relay_keys: relay_shared::store::RelayKeys::new(None)
-                .with_fixed("test", &SecretString::from(COMPAT_KEY.to_owned())),
+                .with_fixed("test".into(), &SecretString::from(COMPAT_KEY.to_owned())),
             compat: compat::CompatState::default(),
             admission: Default::default(),
             delivery_policy: UrlPolicy::AllowLoopback,
@@ -936,19 +960,32 @@ mod tests {
                 "userrecaptcha",
             ),
             (r#"{"kind":"recaptcha_enterprise","sitekey":"6Le","pageurl":"https://a.example"}"#, "userrecaptcha"),
-            (r#"{"kind":"hcaptcha","sitekey":"s","pageurl":"https://a.example"}"#, "hcaptcha"),
             (TURNSTILE, "turnstile"),
             (
                 r#"{"kind":"image","body":"iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAAAABJRU5ErkJggg=="}"#,
                 "base64",
             ),
         ];
-        for (json, method) in cases {
+        use relay_shared::domain::CaptchaKind;
+        let more = [CaptchaKind::Geetest, CaptchaKind::CloudflareChallenge, CaptchaKind::Bls]
+            .map(|k| (relay_shared::testkit::body_for(k), k.as_str()));
+        for (json, method) in cases.into_iter().chain(more) {
             let resp = w.call(post(json)).await;
             assert_eq!(resp.status(), 202, "{json}: {}", body(&resp));
             let id = body(&resp)["captcha_id"].as_str().unwrap_or_default().to_owned();
             assert_eq!(w.fake.task(&id).map(|t| t.method), Some(method.to_owned()), "{json}");
         }
+        // hCaptcha is 2captcha's: refused before anything is recorded or sent, with why.
+        let before = w.fake.counts().in_php;
+        let resp = w.call(post(r#"{"kind":"hcaptcha","sitekey":"s","pageurl":"https://a.example"}"#)).await;
+        assert_eq!(resp.status(), 422);
+        assert_eq!(body(&resp)["error"]["code"], "unsupported_kind");
+        assert_eq!(w.fake.counts().in_php, before);
+        // Unless the upstream is a 2captcha-compatible service that solves it.
+        let mut two = world(FakeConfig { flavor: fake_captchaai::Flavor::Twocaptcha, ..FakeConfig::default() }).await?;
+        two.deps.queue.upstream = relay_shared::submit::Upstream::TwoCaptcha;
+        let resp = two.call(post(r#"{"kind":"hcaptcha","sitekey":"s","pageurl":"https://a.example"}"#)).await;
+        assert_eq!(resp.status(), 202, "{}", body(&resp));
         Ok(())
     }
 

@@ -142,6 +142,9 @@ impl Deps {
 struct Params {
     id: Option<String>,
     code: Option<String>,
+    /// The user agent a token was earned with, should the pingback name it (not confirmed for
+    /// CaptchaAI; res.php's answer does, and the poller keeps it).
+    user_agent: Option<String>,
 }
 
 /// `id` and `code` from a query string or form body: strictly decoded, each at most once.
@@ -154,6 +157,7 @@ fn fields(raw: &[u8], what: &str) -> Result<Params, Response<Body>> {
         let slot = match k.as_str() {
             "id" => &mut p.id,
             "code" => &mut p.code,
+            "user_agent" | "useragent" | "userAgent" => &mut p.user_agent,
             _ => continue,
         };
         if slot.replace(v).is_some() {
@@ -214,7 +218,11 @@ fn read_delivery(p: Params, now: relay_shared::time::Timestamp) -> Result<Delive
         }
         Outcome::Failed(ErrorCode::parse(&code).map_err(|e| problem(400, "invalid_code", e.0))?)
     } else {
-        Outcome::Solved(Solution::parse(&code).map_err(|e| problem(400, "invalid_code", e.0))?)
+        Outcome::Solved(
+            Solution::parse(&code)
+                .map_err(|e| problem(400, "invalid_code", e.0))?
+                .with_user_agent(p.user_agent.as_deref()),
+        )
     };
     // A pingback says nothing of when the token was issued (it may have been delayed): the
     // freshness clock starts at the task's creation (the store bounds it there).

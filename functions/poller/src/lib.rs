@@ -71,7 +71,19 @@ pub struct PollerSettings {
     pub failures_to_open: u32,
     /// How long such a run of failures stops traffic.
     pub failure_pause: Duration,
+    /// Whether a task whose in.php outcome is unknown (or lost in a crash) is sent again, once,
+    /// when its result is overdue: yes on CaptchaAI, which bills threads and not solutions
+    /// (`CAPTCHAAI_FLAVOR`).
+    pub resend: bool,
+    /// The account's in.php pace, which a resend takes its place in (`SUBMITS_PER_SECOND`).
+    pub submits_per_second: u32,
+    /// When a resent task's first poll falls due (`CALLBACK_GRACE_SECS…`).
+    pub grace: relay_shared::config::CallbackGrace,
 }
+
+/// A task without a CaptchaAI id that is not (or no longer) to be sent again expires this long
+/// after its kind's longest solve, counted from its (last) submit.
+pub const NO_ID_GRACE: Duration = Duration::from_secs(60);
 
 impl Default for PollerSettings {
     fn default() -> Self {
@@ -92,6 +104,9 @@ impl Default for PollerSettings {
             idle_wait: Duration::from_secs(10),
             failures_to_open: 5,
             failure_pause: Duration::from_secs(60),
+            resend: true,
+            submits_per_second: relay_shared::submit::SUBMITS_PER_SECOND,
+            grace: relay_shared::config::CallbackGrace::default(),
         }
     }
 }
@@ -111,6 +126,9 @@ impl PollerSettings {
             read_timeout: Duration::from_millis(
                 env.parse_or("POLL_READ_TIMEOUT_MS", u64::try_from(d.read_timeout.as_millis()).unwrap_or(5_000))?,
             ),
+            resend: relay_shared::submit::Upstream::from_settings(env)?.resend_default(),
+            submits_per_second: env.parse_or("SUBMITS_PER_SECOND", d.submits_per_second)?,
+            grace: relay_shared::config::CallbackGrace::from_settings(env)?,
             ..d
         };
         let invalid = |name: &str, reason: &str| ConfigError::Invalid { name: name.into(), reason: reason.into() };
@@ -186,8 +204,10 @@ pub struct TickReport {
     pub expired: u64,
     /// Reads made after the deadline, before expiring.
     pub last_reads: u64,
-    /// Tasks without a CaptchaAI id set aside until their deadline.
+    /// Tasks without a CaptchaAI id set aside until their deadline (or their resend).
     pub parked: u64,
+    /// Tasks without a CaptchaAI id whose result was overdue, sent to in.php again (once).
+    pub resent: u64,
     pub transient: u64,
     pub already_resolved: u64,
     /// Results read after their task was expired: kept on it as late results.
@@ -266,26 +286,134 @@ pub enum Decision {
     /// No CaptchaAI id (in.php's answer not stored, or its outcome unknown): only its pingback
     /// can resolve it. Set aside until `until`.
     Wait { until: Timestamp },
+    /// No CaptchaAI id and its result overdue: send it to in.php again, once (the same task
+    /// and pingback; whichever result comes first is its result).
+    Resend,
     /// Give up now.
     Expire(String),
 }
 
 pub fn decide(due: &DueTask, now: Timestamp, s: &PollerSettings) -> Decision {
-    let deadline = due.task.submitted_or_created_at().plus(s.task_deadline);
-    let Some(id) = &due.task.captcha_id else {
+    let task = &due.task;
+    let Some(id) = &task.captcha_id else {
+        let kind = task.kind;
+        if s.resend && task.resent_at.is_none() {
+            let at = task.submitted_or_created_at().plus(kind.resend_after());
+            return if now >= at { Decision::Resend } else { Decision::Wait { until: at } };
+        }
+        // Its deadline follows its kind: the longest solve after its (last) submit, and a grace.
+        let since = task.resent_at.unwrap_or_else(|| task.submitted_or_created_at());
+        let deadline = since.plus(kind.max_solve_time() + NO_ID_GRACE);
         return if now >= deadline {
             Decision::Expire(format!(
-                "in.php's answer is unknown (no CaptchaAI id stored) and no pingback came within {} s",
-                s.task_deadline.as_secs()
+                "in.php's answer is unknown (no CaptchaAI id stored){} and no pingback came within {} s",
+                if task.resent_at.is_some() { ", also after it was sent again," } else { "" },
+                deadline.since(since).as_secs()
             ))
         } else {
             Decision::Wait { until: deadline }
         };
     };
+    let deadline = task.submitted_or_created_at().plus(s.task_deadline);
     if due.reads >= s.read_budget {
         return Decision::Expire(format!("no result after {} res.php reads", due.reads));
     }
     Decision::Read { id: id.clone(), last: now >= deadline }
+}
+
+/// What a resend came to.
+enum Resent {
+    /// In.php took it (or may have): its pingback or a read resolves it.
+    Sent,
+    /// Not this poller's to send (claimed elsewhere, resolved meanwhile).
+    Lost,
+    /// Not now (no in.php slot, an explicit refusal for now): looked at again at `at`.
+    Later,
+    /// In.php refused it for good: failed.
+    Refused,
+    Error,
+}
+
+/// Sends a stranded task to in.php again: claimed, marked resent (before in.php hears of it,
+/// so never twice), in the account's in.php pace; the answer recorded as a submit's is.
+async fn resend(deps: &Deps, clock: &Arc<dyn Clock>, due: &DueTask) -> Resent {
+    use relay_shared::submit::{InPhp, Recorder};
+    let s = &deps.settings;
+    let r = &due.task.task_ref;
+    let now = clock.now();
+    match deps.store.claim(due, &deps.owner, now.plus(s.lease), false).await {
+        Ok(true) => {}
+        Ok(false) => return Resent::Lost,
+        Err(e) => {
+            tracing::error!(event = "poll_store_failed", task_ref = %r, error = %e);
+            return Resent::Error;
+        }
+    }
+    // Back on the due list at `at`, the lease ended.
+    let later = |at: Timestamp| async move {
+        match deps.store.reschedule(r, &deps.owner, Reschedule::at(at)).await {
+            Ok(_) => Resent::Later,
+            Err(_) => Resent::Error,
+        }
+    };
+    let sendable = match deps.store.unsent_request(r).await {
+        Ok(x) => x,
+        Err(e) => {
+            tracing::error!(event = "poll_store_failed", task_ref = %r, error = %e);
+            return later(now.plus(Duration::from_secs(5))).await;
+        }
+    };
+    match deps.store.take_submit_slot(now, s.submits_per_second).await {
+        Ok(true) => {}
+        Ok(false) => return later(now.plus(Duration::from_secs(1))).await,
+        Err(_) => return later(now.plus(Duration::from_secs(5))).await,
+    }
+    match deps.store.mark_resent(r, now).await {
+        Ok(true) => {}
+        Ok(false) => return Resent::Lost,
+        Err(e) => {
+            tracing::error!(event = "poll_store_failed", task_ref = %r, error = %e);
+            return later(now.plus(Duration::from_secs(5))).await;
+        }
+    }
+    let Some((request, pingback)) = sendable else {
+        // Kept from before requests were kept: it cannot be sent again; it waits out its kind's
+        // deadline instead.
+        tracing::warn!(event = "resend_impossible", task_ref = %r, "no request kept for a stranded task");
+        return later(now.plus(due.task.kind.max_solve_time() + NO_ID_GRACE)).await;
+    };
+    let answer = {
+        let _io = clock.io();
+        deps.captchaai.submit(&request, &pingback).await
+    };
+    let recorder = Recorder { store: &deps.store, dead_letters: deps.dead_letters.as_ref(), clock: clock.as_ref() };
+    let task = &due.task;
+    metrics::counter!("submits_resent").increment(1);
+    match InPhp::of(answer) {
+        InPhp::Accepted(id) => {
+            tracing::info!(event = "task_resent", task_ref = %r, captcha_id = %id, "a stranded task was sent again");
+            recorder.accepted(task, &id, s.grace.for_kind(task.kind)).await;
+            Resent::Sent
+        }
+        InPhp::Unknown(err) => {
+            recorder.unknown(task, &err).await;
+            let at = clock.now().plus(task.kind.max_solve_time() + NO_ID_GRACE);
+            later(at).await;
+            Resent::Sent
+        }
+        InPhp::NoSlot(_) | InPhp::Transient(_) | InPhp::Banned(..) => {
+            // Nothing was taken: it may be sent again later.
+            let _ = deps.store.clear_resent(r).await;
+            later(clock.now().plus(Duration::from_secs(10))).await
+        }
+        InPhp::Refused(err) => {
+            let detail = format!("in.php refused the task when it was sent again: {err}");
+            match deps.store.mark_submit_failed(r, &err.code(), &detail, clock.now()).await {
+                Ok(_) => Resent::Refused,
+                Err(_) => Resent::Error,
+            }
+        }
+    }
 }
 
 /// The Lambda entry point: one scheduled invocation, working until shortly before its
@@ -563,6 +691,13 @@ async fn pass(
                 Ok(true) => report.parked += 1,
                 Ok(false) => report.lost_claims += 1,
                 Err(e) => store_error(report, &r, &e),
+            },
+            Decision::Resend => match resend(deps, clock, &due).await {
+                Resent::Sent => report.resent += 1,
+                Resent::Lost => report.lost_claims += 1,
+                Resent::Later => report.parked += 1,
+                Resent::Refused => report.failed += 1,
+                Resent::Error => report.errors += 1,
             },
             Decision::Read { id, last } if s.batch && !shared.batch_unsupported.load(Ordering::SeqCst) => {
                 match deps.store.claim(&due, &deps.owner, now.plus(s.lease), true).await {
@@ -1192,13 +1327,18 @@ mod tests {
             matches!(decide(&due(pending, Some("7"), 3), t(601_000), &s), Decision::Read { last: true, .. }),
             "past the deadline: one last read before expiring"
         );
-        assert_eq!(
-            decide(&due(TaskState::Submitting { unknown: None }, None, 0), t(5_000), &s),
-            Decision::Wait { until: t(600_000) }
-        );
-        assert!(
-            matches!(decide(&due(TaskState::Submitting { unknown: None }, None, 0), t(600_000), &s), Decision::Expire(r) if r.contains("unknown"))
-        );
+        // No CaptchaAI id (a Turnstile task): sent again once its result is overdue (2 × 15 s +
+        // 30 s), then it follows its kind's deadline from the resend (90 s + 60 s).
+        let stranded = due(TaskState::Submitting { unknown: None }, None, 0);
+        assert_eq!(decide(&stranded, t(5_000), &s), Decision::Wait { until: t(60_000) });
+        assert_eq!(decide(&stranded, t(60_000), &s), Decision::Resend);
+        let resent = DueTask { task: Task { resent_at: Some(t(61_000)), ..stranded.task.clone() }, ..stranded.clone() };
+        assert_eq!(decide(&resent, t(62_000), &s), Decision::Wait { until: t(211_000) });
+        assert!(matches!(decide(&resent, t(211_000), &s), Decision::Expire(r) if r.contains("sent again")));
+        // An upstream that bills per solution: never sent twice; the kind's deadline.
+        let once = PollerSettings { resend: false, ..PollerSettings::default() };
+        assert_eq!(decide(&stranded, t(5_000), &once), Decision::Wait { until: t(150_000) });
+        assert!(matches!(decide(&stranded, t(150_000), &once), Decision::Expire(r) if r.contains("unknown")));
     }
 
     #[test]

@@ -31,10 +31,10 @@ use relay_shared::captchaai::{CaptchaAiClient, CaptchaAiError};
 use relay_shared::config::{CallbackGrace, ConfigError, Settings};
 use relay_shared::deadletter::{DeadLetterSink, SqsQueue};
 use relay_shared::domain::TaskRef;
-use relay_shared::store::{Publish, QueuedRef, Released, SubmitState, TaskStore};
+use relay_shared::store::{Publish, QueuedRef, Released, Stop, SubmitState, TaskStore};
 use relay_shared::submit::lanes::{Fair, parse_lane};
 use relay_shared::submit::window::{Gate, Window, WindowState};
-use relay_shared::submit::{InPhp, QUEUE_TIMEOUT, QueueSettings, Recorder, Waker};
+use relay_shared::submit::{InPhp, QUEUE_TIMEOUT, QueueSettings, Recorder, Upstream, Waker};
 use relay_shared::time::{Clock, Timestamp};
 use serde::Serialize;
 
@@ -177,6 +177,12 @@ pub struct RunReport {
     pub max_in_flight: u32,
     /// The window at the end.
     pub window: u32,
+    /// The plan's threads as `threadsinfo` stated them in this run, if it was read.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub plan: Option<u32>,
+    /// Whether this run found the plan run out (`ERROR_ZERO_BALANCE` with threads free) and
+    /// stopped submits.
+    pub plan_out: bool,
     /// Lane counts set right against the index.
     pub reconciled: u64,
     /// It ended with tasks queued and woke the next run.
@@ -252,6 +258,13 @@ struct Lane {
     empty: Option<(Timestamp, u64)>,
 }
 
+/// Longest wait for `threadsinfo`.
+const PLAN_READ_TIMEOUT: Duration = Duration::from_secs(5);
+/// `threadsinfo` asked after an `ERROR_ZERO_BALANCE` at most this often.
+const PLAN_CHECK_EVERY: Duration = Duration::from_secs(10);
+/// How long submits stop once the plan is found run out; the next submit after it asks again.
+pub const PLAN_OUT_PAUSE: Duration = Duration::from_secs(300);
+
 /// One run: holds the queue's lease and releases queued tasks as threads free, until its
 /// period ends (or, once the queue is empty, `linger` later; at once if it released nothing).
 /// `deadline` is the invocation's hard end: sends start only while their answer and its writes
@@ -274,6 +287,8 @@ pub async fn run(
     };
     let saved: Option<WindowState> = state.window.as_deref().and_then(|w| serde_json::from_str(w).ok());
     let mut r = Run {
+        plan_out_seen: 0,
+        plan_checked_at: None,
         deps,
         clock: clock.clone(),
         window: Window::restore(s.queue.window.clone(), saved.as_ref()),
@@ -314,6 +329,15 @@ pub async fn run(
     // Nothing queued, no inline "no slot" answer to learn from: republish the permits and end
     // (the scheduled run of an idle minute).
     let idle = state.queued == 0 && state.api_no_slots <= r.api_no_slots;
+    // The plan, read rather than learnt from refusals, when there is work to release: at the
+    // start and every few minutes — never while CaptchaAI traffic is stopped.
+    if !idle
+        && s.queue.upstream == Upstream::CaptchaAi
+        && r.window.plan_due(start)
+        && state.breaker.open_for_submits_at(start).is_none()
+    {
+        r.read_plan(&mut report).await;
+    }
     loop {
         if idle {
             break;
@@ -490,6 +514,10 @@ struct Run<'a> {
     deps: &'a Deps,
     clock: Arc<dyn Clock>,
     window: Window,
+    /// `ERROR_ZERO_BALANCE` answers in a row that `threadsinfo` showed with threads free.
+    plan_out_seen: u32,
+    /// When `threadsinfo` was last asked after such an answer.
+    plan_checked_at: Option<Timestamp>,
     lanes: HashMap<String, Lane>,
     fair: Fair,
     /// Tasks this run released: when (counted in work for `index_lag`, whatever the index says).
@@ -855,6 +883,7 @@ impl Run<'_> {
         match InPhp::of(answer) {
             InPhp::Accepted(id) => {
                 report.accepted += 1;
+                self.plan_out_seen = 0;
                 self.window.accepted(in_flight, now);
                 recorder.accepted(task, &id, self.deps.grace.for_kind(task.kind)).await;
             }
@@ -867,6 +896,9 @@ impl Run<'_> {
                 metrics::counter!("submit_no_slot", "path" => "release").increment(1);
                 tracing::info!(event = "submit_no_slot", code = %code, in_flight, "no free CaptchaAI thread: back to the queue");
                 self.window.no_slot(in_flight, now);
+                if code == "ERROR_ZERO_BALANCE" && self.deps.settings.queue.upstream == Upstream::CaptchaAi {
+                    self.zero_balance(now, report).await;
+                }
                 self.requeue(released, report).await;
             }
             InPhp::Banned(code, b) => {
@@ -883,9 +915,33 @@ impl Run<'_> {
                 self.requeue(released, report).await;
             }
             InPhp::Transient(err) => {
-                tracing::warn!(event = "submit_transient", error = %err, "in.php refused for now: back to the queue");
                 self.pause_until = now.plus(self.deps.settings.transient_pause);
-                self.requeue(released, report).await;
+                let refusals = match self.deps.store.count_refusal_for_now(&task.task_ref).await {
+                    Ok(n) => n.unwrap_or(0),
+                    Err(e) => {
+                        report.errors += 1;
+                        tracing::error!(event = "submitter_store_failed", error = %e);
+                        0
+                    }
+                };
+                if refusals < relay_shared::submit::MAX_REFUSALS_FOR_NOW {
+                    tracing::warn!(event = "submit_transient", error = %err, refusals, "in.php refused for now: back to the queue");
+                    self.requeue(released, report).await;
+                    return;
+                }
+                report.failed += 1;
+                self.mine.remove(&task.task_ref);
+                let detail = format!("in.php refused the task {refusals} times: {err}");
+                match self.deps.store.fail_unsent(&task.task_ref, false, &err.code(), &detail, now).await {
+                    Ok(_) => {
+                        metrics::counter!("submits", "outcome" => "refused").increment(1);
+                        tracing::warn!(event = "submit_refused", task_ref = %task.task_ref, error = %err, refusals, "in.php refused a task again and again: failed");
+                    }
+                    Err(e) => {
+                        report.errors += 1;
+                        tracing::error!(event = "submitter_store_failed", error = %e);
+                    }
+                }
             }
             InPhp::Refused(err) => {
                 report.failed += 1;
@@ -902,6 +958,73 @@ impl Run<'_> {
                         tracing::error!(event = "submitter_store_failed", error = %e);
                     }
                 }
+            }
+        }
+    }
+
+    /// Reads the plan (`threadsinfo`): the window's ceiling. A failure keeps what was known.
+    async fn read_plan(&mut self, report: &mut RunReport) -> Option<relay_shared::captchaai::ThreadsInfo> {
+        let asked = {
+            let _io = self.clock.io();
+            tokio::time::timeout(PLAN_READ_TIMEOUT, self.deps.captchaai.threads_info()).await
+        };
+        let now = self.clock.now();
+        match asked {
+            Ok(Ok(info)) => {
+                self.window.set_plan(info.threads, now);
+                report.plan = Some(info.threads);
+                tracing::info!(event = "plan_read", threads = info.threads, working_threads = info.working_threads);
+                Some(info)
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(event = "plan_read_failed", error = %e, "threadsinfo not read; the window learns the plan");
+                None
+            }
+            Err(_) => {
+                tracing::warn!(event = "plan_read_failed", error = "timed out");
+                None
+            }
+        }
+    }
+
+    /// CaptchaAI answered `ERROR_ZERO_BALANCE`: "no free thread" — or, with threads free, a plan
+    /// that has expired or run out of balance (how CaptchaAI's own SDK tells them apart). Twice
+    /// in a row with threads free: submits stop (the breaker, for [`PLAN_OUT_PAUSE`]; the alarm
+    /// fires on `plan_out`) and clients are told why, instead of queueing in silence.
+    async fn zero_balance(&mut self, now: Timestamp, report: &mut RunReport) {
+        if self.plan_checked_at.is_some_and(|at| now.since(at) < PLAN_CHECK_EVERY) {
+            return;
+        }
+        self.plan_checked_at = Some(now);
+        let Some(info) = self.read_plan(report).await else { return };
+        if info.free() == 0 {
+            self.plan_out_seen = 0;
+            return;
+        }
+        self.plan_out_seen += 1;
+        if self.plan_out_seen < 2 {
+            return;
+        }
+        let now = self.clock.now();
+        let reason = format!(
+            "ERROR_ZERO_BALANCE with {} of {} threads free: CaptchaAI's plan has expired or is out of balance",
+            info.free(),
+            info.threads
+        );
+        match self.deps.store.open_breaker(now.plus(PLAN_OUT_PAUSE), &reason, Stop::PlanOut, now).await {
+            Ok(_) => {
+                report.plan_out = true;
+                metrics::counter!("plan_out").increment(1);
+                tracing::error!(
+                    event = "plan_out",
+                    threads = info.threads,
+                    working_threads = info.working_threads,
+                    "{reason}; submits stop until it is renewed"
+                );
+            }
+            Err(e) => {
+                report.errors += 1;
+                tracing::error!(event = "breaker_store_failed", error = %e);
             }
         }
     }

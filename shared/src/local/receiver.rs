@@ -28,7 +28,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::body::Bytes;
-use axum::http::{HeaderMap, StatusCode, Uri};
+use axum::http::{HeaderMap, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 
 use crate::time::{Clock, Timestamp};
@@ -36,7 +36,10 @@ use crate::time::{Clock, Timestamp};
 /// One request the receiver got.
 #[derive(Debug, Clone)]
 pub struct Hit {
+    pub method: String,
     pub path: String,
+    /// The URL's query (a CaptchaAI-style `GET` pingback carries `id` and `code` there).
+    pub query: String,
     pub at: Timestamp,
     pub webhook_id: String,
     pub webhook_timestamp: String,
@@ -70,9 +73,9 @@ impl Receiver {
         let base_url = format!("http://{}", listener.local_addr()?);
         let state = Arc::new(Mutex::new(State::default()));
         let st = state.clone();
-        let app = axum::Router::new().fallback(move |uri: Uri, headers: HeaderMap, body: Bytes| {
+        let app = axum::Router::new().fallback(move |method: Method, uri: Uri, headers: HeaderMap, body: Bytes| {
             let (st, clock) = (st.clone(), clock.clone());
-            async move { answer(&st, clock.as_ref(), &uri, &headers, body).await }
+            async move { answer(&st, clock.as_ref(), &method, &uri, &headers, body).await }
         });
         tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
@@ -96,7 +99,14 @@ impl Receiver {
 /// A large answer's body.
 const LARGE: usize = 4 * 1024 * 1024;
 
-async fn answer(st: &Mutex<State>, clock: &dyn Clock, uri: &Uri, headers: &HeaderMap, body: Bytes) -> Response {
+async fn answer(
+    st: &Mutex<State>,
+    clock: &dyn Clock,
+    method: &Method,
+    uri: &Uri,
+    headers: &HeaderMap,
+    body: Bytes,
+) -> Response {
     // Held throughout, waits included: on a simulated clock a sleeper must hold a guard, or it
     // would stand in for some other actor that is working (its sender's own guard is matched by
     // the sender's timeout on the same clock).
@@ -105,7 +115,9 @@ async fn answer(st: &Mutex<State>, clock: &dyn Clock, uri: &Uri, headers: &Heade
     let header = |n: &str| headers.get(n).and_then(|v| v.to_str().ok()).unwrap_or_default().to_owned();
     let at = clock.now();
     let mut hit = Hit {
+        method: method.as_str().to_owned(),
         path: path.clone(),
+        query: uri.query().unwrap_or_default().to_owned(),
         at,
         webhook_id: header("webhook-id"),
         webhook_timestamp: header("webhook-timestamp"),
@@ -309,7 +321,7 @@ pub fn check_pushes(tasks: &[(crate::domain::Task, String)], hits: &[Hit], withi
                     c.late.push(format!("{} ({path}): first 2xx {} s after its record", task.task_ref, took.as_secs()));
                 }
                 if let Some(d) = dies {
-                    let carried = carries_token(&h.body);
+                    let carried = carries_token(h);
                     if fresh && (h.at >= d || !carried) {
                         c.pushed_after_death.push(format!(
                             "{} ({path}): recorded {} s before its token died, first taken {} s after it",
@@ -336,15 +348,24 @@ pub fn check_pushes(tasks: &[(crate::domain::Task, String)], hits: &[Hit], withi
     c
 }
 
-/// Whether a push's body holds a solution (a JSON `task.solved` with one, or a pingback form
-/// whose `code` is not an error).
-fn carries_token(body: &[u8]) -> bool {
-    if let Ok(v) = serde_json::from_slice::<serde_json::Value>(body) {
+/// Whether a push holds a solution: a JSON `task.solved` with one, or a pingback (CaptchaAI's
+/// `GET` query or 2captcha's form) whose `code` is not an error.
+pub fn carries_token(h: &Hit) -> bool {
+    if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&h.body) {
         return v["type"] == "task.solved" && v["data"]["solution"].is_string()
             || v["data"]["late_result"]["solution"].is_string();
     }
-    let form: Vec<(String, String)> = serde_urlencoded::from_bytes(body).unwrap_or_default();
-    form.iter().any(|(k, v)| k == "code" && !v.starts_with("ERROR_") && v != "CAPCHA_NOT_READY")
+    pingback_code(h).is_some_and(|c| !c.starts_with("ERROR_") && c != "CAPCHA_NOT_READY")
+}
+
+/// The `code` of a pingback: from the query of a `GET`, from the form body of a `POST`.
+pub fn pingback_code(h: &Hit) -> Option<String> {
+    let pairs: Vec<(String, String)> = if h.method == "GET" {
+        serde_urlencoded::from_str(&h.query).unwrap_or_default()
+    } else {
+        serde_urlencoded::from_bytes(&h.body).unwrap_or_default()
+    };
+    pairs.into_iter().find(|(k, _)| k == "code").map(|(_, v)| v)
 }
 
 /// The median, 95th percentile and maximum of `v` (sorted in place), or zeros.

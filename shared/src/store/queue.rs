@@ -725,6 +725,103 @@ impl TaskStore {
         condition_held(res)
     }
 
+    /// What in.php needs to send a task that is still submitting without a CaptchaAI id: its
+    /// request and pingback, kept since it was created or queued. `None`: not such a task, or
+    /// one created before they were kept.
+    pub async fn unsent_request(&self, task_ref: &TaskRef) -> Result<Option<(SubmitRequest, String)>, StoreError> {
+        let out = self
+            .client
+            .get_item()
+            .table_name(&self.table)
+            .key(attr::PK, s(task_ref.as_ref()))
+            .projection_expression("sq_req, sq_pingback, captcha_id")
+            .consistent_read(true)
+            .send()
+            .await
+            .map_err(sdk_error)?;
+        let Some(item) = out.item else { return Ok(None) };
+        if item.contains_key("captcha_id") {
+            return Ok(None);
+        }
+        let (Some(req), Some(pingback)) = (super::get_s(&item, "sq_req")?, super::get_s(&item, "sq_pingback")?) else {
+            return Ok(None);
+        };
+        let request =
+            serde_json::from_str(req).map_err(|e| StoreError::Corrupt(format!("task {task_ref}: sq_req: {e}")))?;
+        Ok(Some((request, pingback.to_owned())))
+    }
+
+    /// Marks a task about to be sent to in.php a second time: still submitting, no CaptchaAI id
+    /// known, never resent before. The mark comes first, so a task is resent at most once
+    /// whatever crashes; `false`: not such a task (its result came, or another poller resent it).
+    pub async fn mark_resent(&self, task_ref: &TaskRef, now: Timestamp) -> Result<bool, StoreError> {
+        let res = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key(attr::PK, s(task_ref.as_ref()))
+            .update_expression("SET resent_at = :now REMOVE submit_unknown")
+            .condition_expression(
+                "#state = :submitting AND attribute_not_exists(captcha_id) AND attribute_not_exists(resent_at)",
+            )
+            .expression_attribute_names("#state", attr::STATE)
+            .expression_attribute_values(":submitting", s("submitting"))
+            .expression_attribute_values(":now", n(now.as_millis()))
+            .send()
+            .await;
+        condition_held(res)
+    }
+
+    /// Takes the mark back: in.php refused the resend explicitly (nothing was taken), so it may
+    /// be sent again later. `false`: the task is no longer such a task.
+    pub async fn clear_resent(&self, task_ref: &TaskRef) -> Result<bool, StoreError> {
+        let res = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key(attr::PK, s(task_ref.as_ref()))
+            .update_expression("REMOVE resent_at")
+            .condition_expression("#state = :submitting AND attribute_not_exists(captcha_id)")
+            .expression_attribute_names("#state", attr::STATE)
+            .expression_attribute_values(":submitting", s("submitting"))
+            .send()
+            .await;
+        condition_held(res)
+    }
+
+    /// Counts one more "refused for now" answer (a server error code, a connection that never
+    /// opened) for a released task still submitting; returns how many it has had. A method
+    /// CaptchaAI answers `ERROR_SERVER_ERROR` again and again (one it does not solve) is failed
+    /// by the caller after [`crate::submit::MAX_REFUSALS_FOR_NOW`] of them, not retried for ever.
+    /// `None`: the task is no longer submitting.
+    pub async fn count_refusal_for_now(&self, task_ref: &TaskRef) -> Result<Option<u32>, StoreError> {
+        let res = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key(attr::PK, s(task_ref.as_ref()))
+            .update_expression("ADD sq_refused :one")
+            .condition_expression("#state = :submitting")
+            .expression_attribute_names("#state", attr::STATE)
+            .expression_attribute_values(":submitting", s("submitting"))
+            .expression_attribute_values(":one", n(1))
+            .return_values(ReturnValue::UpdatedNew)
+            .send()
+            .await;
+        match res {
+            Ok(out) => Ok(Some(
+                out.attributes
+                    .as_ref()
+                    .and_then(|a| a.get("sq_refused"))
+                    .and_then(|v| v.as_n().ok())
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(1),
+            )),
+            Err(e) if refused_item(&e).is_some() => Ok(None),
+            Err(e) => Err(sdk_error(e)),
+        }
+    }
+
     /// Turns an inline submit that was refused for now into a queued task (its reservation
     /// made): submitting → queued, with what in.php needs. Same conditions as
     /// [`TaskStore::requeue`].

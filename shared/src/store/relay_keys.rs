@@ -18,15 +18,31 @@ use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
 use super::{StoreError, TaskStore, get_s, get_ts, n, s, sdk_error};
+use crate::domain::PingbackForm;
 use crate::time::Timestamp;
 
 const PREFIX: &str = "relaykey#";
 
+/// What a live key grants: its name (whose webhook secret signs its pushes) and how its
+/// tasks' results are pushed to their `pingback`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyGrant {
+    pub name: String,
+    pub pingback: PingbackForm,
+}
+
+impl From<&str> for KeyGrant {
+    /// A key of this name with CaptchaAI's pingback form.
+    fn from(name: &str) -> Self {
+        Self { name: name.to_owned(), pingback: PingbackForm::default() }
+    }
+}
+
 /// What a presented key is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KeyCheck {
-    /// A live key, by its name.
-    Valid(String),
+    /// A live key.
+    Valid(KeyGrant),
     /// Not shaped like a key at all (2captcha answers `ERROR_WRONG_USER_KEY`).
     Malformed,
     /// Shaped like one, but no live key has it (`ERROR_KEY_DOES_NOT_EXIST`).
@@ -41,6 +57,8 @@ pub struct KeyInfo {
     pub digest: String,
     pub created_at: Option<Timestamp>,
     pub revoked_at: Option<Timestamp>,
+    /// How its tasks' results are pushed to their `pingback`.
+    pub pingback: PingbackForm,
 }
 
 /// Whether `key` is shaped like a relay key: 16 to 128 characters of `[A-Za-z0-9_-]`.
@@ -61,7 +79,7 @@ type KeyCache = Arc<Mutex<HashMap<[u8; 32], (KeyCheck, Instant)>>>;
 #[derive(Clone)]
 pub struct RelayKeys {
     store: Option<TaskStore>,
-    fixed: Vec<(String, [u8; 32])>,
+    fixed: Vec<(KeyGrant, [u8; 32])>,
     cache: KeyCache,
 }
 
@@ -84,9 +102,9 @@ impl RelayKeys {
         Self { store, fixed: Vec::new(), cache: Arc::default() }
     }
 
-    /// Also accepts `key` under `name` (local mode's API key).
-    pub fn with_fixed(mut self, name: &str, key: &SecretString) -> Self {
-        self.fixed.push((name.to_owned(), digest(key.expose_secret())));
+    /// Also accepts `key` with `grant` (local mode's API key).
+    pub fn with_fixed(mut self, grant: KeyGrant, key: &SecretString) -> Self {
+        self.fixed.push((grant, digest(key.expose_secret())));
         self
     }
 
@@ -98,9 +116,9 @@ impl RelayKeys {
             return Ok(KeyCheck::Malformed);
         }
         let d = digest(key);
-        for (name, want) in &self.fixed {
+        for (grant, want) in &self.fixed {
             if bool::from(d.ct_eq(want)) {
-                return Ok(KeyCheck::Valid(name.clone()));
+                return Ok(KeyCheck::Valid(grant.clone()));
             }
         }
         if let Some((hit, at)) = self.cache.lock().ok().and_then(|c| c.get(&d).cloned())
@@ -118,9 +136,10 @@ impl RelayKeys {
             .await
             .map_err(sdk_error)?;
         let found = match out.item {
-            Some(item) if !item.contains_key("revoked_at") => {
-                KeyCheck::Valid(get_s(&item, "key_name")?.unwrap_or("unnamed").to_owned())
-            }
+            Some(item) if !item.contains_key("revoked_at") => KeyCheck::Valid(KeyGrant {
+                name: get_s(&item, "key_name")?.unwrap_or("unnamed").to_owned(),
+                pingback: pingback_of(&item)?,
+            }),
             _ => KeyCheck::Unknown,
         };
         if let Ok(mut c) = self.cache.lock() {
@@ -136,10 +155,30 @@ impl RelayKeys {
     }
 }
 
+fn pingback_of(item: &HashMap<String, AttributeValue>) -> Result<PingbackForm, StoreError> {
+    get_s(item, "pingback_form")?
+        .map(PingbackForm::parse)
+        .transpose()
+        .map_err(|e| StoreError::Corrupt(format!("relay key: {}", e.0)))
+        .map(Option::unwrap_or_default)
+}
+
 impl TaskStore {
-    /// Makes a new relay key named `name` (1–64 of `[A-Za-z0-9_.-]`) and stores its digest.
-    /// Returns the key: shown once, never stored. Names may repeat (rotation keeps one name).
+    /// Makes a new relay key named `name` with CaptchaAI's pingback form (see
+    /// [`Self::create_relay_key_with`]).
     pub async fn create_relay_key(&self, name: &str, now: Timestamp) -> Result<SecretString, StoreError> {
+        self.create_relay_key_with(name, PingbackForm::default(), now).await
+    }
+
+    /// Makes a new relay key named `name` (1–64 of `[A-Za-z0-9_.-]`), whose tasks' results go
+    /// to their `pingback` in `pingback` form, and stores its digest. Returns the key: shown
+    /// once, never stored. Names may repeat (rotation keeps one name).
+    pub async fn create_relay_key_with(
+        &self,
+        name: &str,
+        pingback: PingbackForm,
+        now: Timestamp,
+    ) -> Result<SecretString, StoreError> {
         if name.is_empty()
             || name.len() > 64
             || !name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
@@ -156,6 +195,7 @@ impl TaskStore {
             .item(super::attr::PK, s(&format!("{PREFIX}{}", hex::encode(digest(&key)))))
             .item("key_name", s(name))
             .item("created_at", n(now.as_millis()))
+            .item("pingback_form", s(pingback.as_str()))
             .condition_expression("attribute_not_exists(pk)")
             .send()
             .await
@@ -187,6 +227,7 @@ impl TaskStore {
                     digest: pk.trim_start_matches(PREFIX).to_owned(),
                     created_at: get_ts(item, "created_at")?,
                     revoked_at: get_ts(item, "revoked_at")?,
+                    pingback: pingback_of(item)?,
                 });
             }
             start = page.last_evaluated_key;
@@ -196,6 +237,30 @@ impl TaskStore {
         }
         out.sort_by_key(|k| k.created_at);
         Ok(out)
+    }
+
+    /// Sets how the live keys named `name` push their tasks' results to a `pingback`. Returns
+    /// how many keys changed. Tasks submitted before keep the form they were submitted with;
+    /// running relays see the change within [`RelayKeys::CACHE_FOR`].
+    pub async fn set_relay_key_pingback(&self, name: &str, pingback: PingbackForm) -> Result<usize, StoreError> {
+        let mut changed = 0;
+        for k in self.list_relay_keys().await? {
+            if k.name != name || k.revoked_at.is_some() {
+                continue;
+            }
+            self.client
+                .update_item()
+                .table_name(&self.table)
+                .key(super::attr::PK, AttributeValue::S(format!("{PREFIX}{}", k.digest)))
+                .update_expression("SET pingback_form = :f")
+                .condition_expression("attribute_exists(pk) AND attribute_not_exists(revoked_at)")
+                .expression_attribute_values(":f", s(pingback.as_str()))
+                .send()
+                .await
+                .map_err(sdk_error)?;
+            changed += 1;
+        }
+        Ok(changed)
     }
 
     /// Revokes the live keys named `name` (or only the one whose digest starts with
@@ -267,6 +332,14 @@ mod tests {
         assert_eq!(store.revoke_relay_keys("scraper", None, t).await?, 1, "the remaining live one");
         assert_eq!(check(new.expose_secret()).await?, KeyCheck::Unknown);
         assert!(store.create_relay_key("bad name", t).await.is_err());
+        // A key for code written against 2captcha: its tasks are pushed the POST way; the form
+        // can be changed later, for every live key of the name.
+        let post = store.create_relay_key_with("legacy", PingbackForm::Post, t).await?;
+        let posts = KeyCheck::Valid(KeyGrant { name: "legacy".into(), pingback: PingbackForm::Post });
+        assert_eq!(check(post.expose_secret()).await?, posts);
+        assert_eq!(store.set_relay_key_pingback("legacy", PingbackForm::Get).await?, 1);
+        assert_eq!(check(post.expose_secret()).await?, KeyCheck::Valid("legacy".into()));
+        assert_eq!(store.set_relay_key_pingback("nobody", PingbackForm::Post).await?, 0);
         Ok(())
     }
 
@@ -275,7 +348,7 @@ mod tests {
         let db = LocalDynamo::start().await?;
         let store = db.fresh_store().await?;
         let fixed = SecretString::from("local-api-key-0123456789".to_owned());
-        let keys = RelayKeys::new(Some(store.clone())).with_fixed("local", &fixed);
+        let keys = RelayKeys::new(Some(store.clone())).with_fixed("local".into(), &fixed);
         assert_eq!(keys.check("local-api-key-0123456789").await?, KeyCheck::Valid("local".into()));
         let k = store.create_relay_key("ci", Timestamp::from_millis(1)).await?;
         assert_eq!(keys.check(k.expose_secret()).await?, KeyCheck::Valid("ci".into()));

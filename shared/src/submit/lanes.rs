@@ -1,8 +1,8 @@
 //! The submit queue's lanes and the order they are served in.
 //!
 //! Every owner (a relay key for the 2captcha-compatible routes, the caller of `POST /tasks`) has
-//! two lanes: one for the captchas that give a token (reCAPTCHA, hCaptcha, Turnstile) and one for
-//! images. Within a lane, oldest first. Across lanes:
+//! two lanes: one for the captchas that give a token (reCAPTCHA, hCaptcha, Turnstile, GeeTest, a
+//! Cloudflare challenge) and one for images (BLS's grids too). Within a lane, oldest first. Across lanes:
 //! - owners take turns, one task each (round robin in a stable order), so one owner's burst
 //!   cannot starve another's: each gets an equal share of the threads while both wait;
 //! - within an owner, while both of its lanes wait, two of every three of its turns go to the
@@ -27,7 +27,7 @@ pub enum LaneClass {
 impl LaneClass {
     pub fn of(kind: CaptchaKind) -> Self {
         match kind {
-            CaptchaKind::Image => Self::Image,
+            CaptchaKind::Image | CaptchaKind::Bls => Self::Image,
             _ => Self::Token,
         }
     }

@@ -25,7 +25,10 @@
 //!   lost (the poller records them only after their grace): a probe, under the same rules (the
 //!   hold, the budget, and above a known full level only when a probe is due);
 //! - a configured thread count (`CAPTCHAAI_THREADS`) is where the window starts and a ceiling
-//!   it never passes, so a known plan is used fully from the first second.
+//!   it never passes, so a known plan is used fully from the first second;
+//! - without one, the plan CaptchaAI states (`res.php?action=threadsinfo`, read by the
+//!   submitter at its start and every [`PLAN_REFRESH`]) is the same: where the window stands
+//!   and its ceiling — read, not learnt from refusals.
 //!
 //! Pure: every method takes the time. The submit queue keeps one, persisted between runs.
 
@@ -112,7 +115,15 @@ pub struct WindowState {
     /// "No slot" answers of the last minute (epoch ms).
     #[serde(default)]
     pub no_slots: Vec<u64>,
+    /// The plan's threads as `threadsinfo` last stated them, and when (epoch ms).
+    #[serde(default)]
+    pub plan: Option<u32>,
+    #[serde(default)]
+    pub plan_read_ms: u64,
 }
+
+/// How often the plan is read again (`threadsinfo`): plans change when they are renewed.
+pub const PLAN_REFRESH: Duration = Duration::from_secs(300);
 
 /// The learnt window (see the module docs).
 #[derive(Debug, Clone, PartialEq)]
@@ -129,6 +140,9 @@ pub struct Window {
     progress: Timestamp,
     /// "No slot" answers since the last task taken, each after the hold of the one before.
     refused_in_a_row: u32,
+    /// The plan's threads as CaptchaAI states them (`threadsinfo`), and when they were read.
+    plan: Option<u32>,
+    plan_read: Timestamp,
 }
 
 const MINUTE: Duration = Duration::from_secs(60);
@@ -148,7 +162,29 @@ impl Window {
             no_slots: VecDeque::new(),
             progress: Timestamp::from_millis(0),
             refused_in_a_row: 0,
+            plan: None,
+            plan_read: Timestamp::from_millis(0),
         }
+    }
+
+    /// The plan's threads, as `threadsinfo` stated them at `now`: where the window stands and
+    /// its ceiling (a configured `CAPTCHAAI_THREADS` still wins).
+    pub fn set_plan(&mut self, threads: u32, now: Timestamp) {
+        self.plan = Some(threads.max(1));
+        self.plan_read = now;
+        if self.s.threads.is_none() {
+            self.size = self.cap();
+        }
+    }
+
+    /// The plan as last read, if it was.
+    pub fn plan(&self) -> Option<u32> {
+        self.plan
+    }
+
+    /// Whether the plan should be read (again) at `now`.
+    pub fn plan_due(&self, now: Timestamp) -> bool {
+        self.plan.is_none() || now.since(self.plan_read) >= PLAN_REFRESH
     }
 
     /// A window as an earlier run left it (`None` or unreadable: a new one). A configured thread
@@ -156,6 +192,7 @@ impl Window {
     pub fn restore(s: WindowSettings, state: Option<&WindowState>) -> Self {
         let mut w = Self::new(s);
         let Some(st) = state.filter(|st| st.size.is_finite() && st.size >= 1.0) else { return w };
+        w.plan = st.plan;
         w.size = st.size.min(w.cap());
         w.full_at = st.full_at;
         w.full_seen = Timestamp::from_millis(st.full_seen_ms);
@@ -167,6 +204,8 @@ impl Window {
         w.progress = Timestamp::from_millis(st.progress_ms);
         w.refused_in_a_row = st.refused_in_a_row;
         w.no_slots = st.no_slots.iter().map(|ms| Timestamp::from_millis(*ms)).collect();
+        w.plan = st.plan;
+        w.plan_read = Timestamp::from_millis(st.plan_read_ms);
         w
     }
 
@@ -181,11 +220,13 @@ impl Window {
             progress_ms: self.progress.as_millis(),
             refused_in_a_row: self.refused_in_a_row,
             no_slots: self.no_slots.iter().map(|t| t.as_millis()).collect(),
+            plan: self.plan,
+            plan_read_ms: self.plan_read.as_millis(),
         }
     }
 
     fn cap(&self) -> f64 {
-        f64::from(self.s.threads.unwrap_or(self.s.max).max(1))
+        f64::from(self.s.threads.or(self.plan).unwrap_or(self.s.max).max(1))
     }
 
     /// The level at which the plan was last full, unless that was too long ago.
@@ -324,6 +365,25 @@ impl Window {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_plan_read_from_threadsinfo_is_where_the_window_stands_and_its_ceiling() {
+        let mut w = Window::new(WindowSettings::default());
+        assert!(w.plan_due(t(0.0)));
+        w.set_plan(25, t(0.0));
+        assert_eq!(w.limit(t(0.0)), 25, "used fully from the first second");
+        for i in 0..40 {
+            w.accepted(24 + i, t(1.0));
+        }
+        assert_eq!(w.limit(t(1.0)), 25, "never above the plan");
+        assert!(!w.plan_due(t(299.0)) && w.plan_due(t(300.0)), "read again every 5 minutes");
+        let again = Window::restore(WindowSettings::default(), Some(&w.state()));
+        assert_eq!((again.plan(), again.limit(t(2.0))), (Some(25), 25), "kept between runs");
+        // A configured thread count wins over what the plan says.
+        let mut c = Window::new(WindowSettings { threads: Some(10), ..WindowSettings::default() });
+        c.set_plan(25, t(0.0));
+        assert_eq!(c.limit(t(0.0)), 10);
+    }
 
     fn t(secs: f64) -> Timestamp {
         Timestamp::from_millis((secs * 1000.0) as u64)

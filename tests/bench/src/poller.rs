@@ -99,7 +99,7 @@ pub async fn stale(n: usize, batching: bool) -> anyhow::Result<PollRun> {
     let mut world = World::start(fake).await?;
     world.poller.settings.batch = batching;
     let counter = count_poller(&mut world);
-    let mix = [CaptchaKind::RecaptchaV2, CaptchaKind::Hcaptcha, CaptchaKind::Turnstile, CaptchaKind::Image];
+    let mix = [CaptchaKind::RecaptchaV2, CaptchaKind::RecaptchaEnterprise, CaptchaKind::Turnstile, CaptchaKind::Image];
     // At the API's submit rate (14/s), so the owner is never told to wait.
     let over = Duration::from_millis(n as u64 * 1000 / 12);
     world.start_owner(steady(EPOCH, over, n, &mix), None);

@@ -285,6 +285,15 @@ fn compat_form(kind: CaptchaKind) -> &'static str {
         CaptchaKind::Image => {
             "method=base64&body=iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAAAABJRU5ErkJggg%3D%3D"
         }
+        CaptchaKind::Geetest => {
+            "method=geetest&gt=81388ea1fc187e0c335c0a8907ff2625&challenge=2e2f0f65240058b683cb6ea21c303eea&pageurl=https://shop.example/login"
+        }
+        CaptchaKind::CloudflareChallenge => {
+            "method=cloudflare_challenge&pageurl=https://shop.example/login&proxy=user:pass@203.0.113.7:3128&proxytype=HTTP"
+        }
+        CaptchaKind::Bls => {
+            "method=bls&instructions=664&image_base64_1=iVBORw0KGgo%3D&image_base64_2=iVBORw0KGgo%3D&image_base64_3=iVBORw0KGgo%3D&image_base64_4=iVBORw0KGgo%3D&image_base64_5=iVBORw0KGgo%3D&image_base64_6=iVBORw0KGgo%3D&image_base64_7=iVBORw0KGgo%3D&image_base64_8=iVBORw0KGgo%3D&image_base64_9=iVBORw0KGgo%3D"
+        }
     }
 }
 
@@ -679,7 +688,7 @@ async fn scenario(
                 settle(p.fake).await;
                 p.flaky.set_failing_matching(None);
             }
-            let kind = CaptchaKind::ALL[n % CaptchaKind::ALL.len()];
+            let kind = CaptchaKind::CAPTCHAAI[n % CaptchaKind::CAPTCHAAI.len()];
             // Every fourth task as a 2captcha SDK submits it: `/in.php` with a relay key.
             // Every other task with an owner callback URL (pattern by n: mostly fine, 500 once,
             // 410), the compat ones as a 2captcha `pingback`.

@@ -3,8 +3,8 @@
 //!
 //! It runs on a [`Clock`]: the system's for tests in real time, or a simulated one
 //! ([`relay_time::ManualClock`]) so an hour of traffic takes seconds. On it:
-//! - solve times per kind (`realistic_solve_times`: image 5–20 s, Turnstile 10–15 s,
-//!   reCAPTCHA/hCaptcha 15–60 s), each task's solve time recorded for age checks, and a share of
+//! - solve times per kind (`realistic_solve_times`: image and BLS 5–20 s, Turnstile 10–15 s,
+//!   reCAPTCHA, hCaptcha, GeeTest and Cloudflare 15–60 s), each task's solve time recorded for age checks, and a share of
 //!   tasks ending `ERROR_CAPTCHA_UNSOLVABLE` (after 90 s, 300 s for reCAPTCHA v2);
 //! - pingbacks dropped, duplicated, late — by seeded chance, so runs repeat;
 //! - `ids=` not understood (`batch_supported: false` answers what a server ignoring it would);
@@ -12,7 +12,8 @@
 //!   `ERROR: 1004` after 5 bad-key requests in a minute, `MAX_USER_TURN` for more than 60 submits
 //!   in 3 s, and `IP_BANNED` on demand; every request during a ban is answered with the ban and
 //!   counted;
-//! - a thread plan (`threads`): with n threads, in.php answers `ERROR_NO_SLOT_AVAILABLE` while n
+//! - a thread plan (`threads`): with n threads, in.php answers "no free thread" (CaptchaAI's
+//!   `ERROR_ZERO_BALANCE`; 2captcha's `ERROR_NO_SLOT_AVAILABLE`) while n
 //!   tasks are in work (submitted and not yet solved on the clock), and the NO_SLOT ban rules are
 //!   enforced: `ERROR: 1001` (10 min) after 120 NO_SLOT answers in a minute, `ERROR: 1003` (30 s)
 //!   when the NO_SLOT answers of the last minute reach 3 × the captchas accepted in it (from 30
@@ -20,7 +21,12 @@
 //!   [`FakeCaptchaAi::peak_in_work`] tell tests how close a client came;
 //! - fault windows on the clock: 5xx, HTML pages and slow answers, on in.php or res.php;
 //! - in.php answers that fail *after* the task was accepted (502, HTML, a cut connection, no
-//!   answer in time): the task is paid for and solved all the same.
+//!   answer in time): the task is paid for and solved all the same;
+//! - CaptchaAI's own facts where they differ from 2captcha's ([`Flavor`]; docs/compat.md gives
+//!   each one's public source): `hcaptcha` answered `ERROR_SERVER_ERROR`, reports answered with
+//!   an empty 200, `threadsinfo`, a `user_agent` beside reCAPTCHA Enterprise and Cloudflare
+//!   tokens, GeeTest v3 / Cloudflare challenge / BLS tasks, and a plan that has run out
+//!   (`plan_expired`: `ERROR_ZERO_BALANCE` with threads free).
 //!
 //! It counts every request it receives, so tests assert on traffic, not on what the relay says.
 
@@ -151,10 +157,30 @@ pub struct FakeConfig {
     pub balance: String,
     /// The account's thread plan: how many tasks may be in work at once (from submit until
     /// solved, on the fake's clock). `None` (the default): unlimited. With `Some(n)`, a submit
-    /// while n tasks are in work is answered `ERROR_NO_SLOT_AVAILABLE` (status 0); it creates no
+    /// while n tasks are in work is answered "no free thread" (status 0; see [`Flavor`]); it creates no
     /// task and is not counted as accepted, but it is counted in [`Counts::no_slot`] and by the
     /// NO_SLOT ban rules (see `enforce_bans`). Scripted `submit_errors` are answered first.
     pub threads: Option<u32>,
+    /// The upstream it plays (see [`Flavor`]): CaptchaAI (the default) or 2captcha.
+    pub flavor: Flavor,
+    /// CaptchaAI's plan has run out (expired, no balance): every submit is answered
+    /// `ERROR_ZERO_BALANCE` while `threadsinfo` shows threads free.
+    pub plan_expired: bool,
+}
+
+/// Which service's public behaviour the fake follows where CaptchaAI and 2captcha differ
+/// (docs/compat.md lists each fact with its source).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Flavor {
+    /// CaptchaAI: `hcaptcha` answered `ERROR_SERVER_ERROR`; reports answered with an empty
+    /// 200; a full plan answered `ERROR_ZERO_BALANCE` ("no free threads"); `threadsinfo`;
+    /// enterprise and Cloudflare answers with a `user_agent`; GeeTest answers as a JSON string.
+    #[default]
+    Captchaai,
+    /// 2captcha: hCaptcha solved; reports answered `OK_REPORT_RECORDED`; a full plan answered
+    /// `ERROR_NO_SLOT_AVAILABLE`; GeeTest answers as a JSON object.
+    Twocaptcha,
 }
 
 impl Default for FakeConfig {
@@ -182,6 +208,8 @@ impl Default for FakeConfig {
             faults: Vec::new(),
             balance: "10.00".into(),
             threads: None,
+            flavor: Flavor::Captchaai,
+            plan_expired: false,
         }
     }
 }
@@ -221,8 +249,11 @@ pub struct Counts {
     pub reports_bad: u64,
     /// `getbalance` requests.
     pub balance_reads: u64,
-    /// Submits answered `ERROR_NO_SLOT_AVAILABLE` because every thread was in work.
+    /// Submits answered "no free thread" (`ERROR_ZERO_BALANCE` as CaptchaAI, `ERROR_NO_SLOT_AVAILABLE`
+    /// as 2captcha) because every thread was in work, or the plan had run out.
     pub no_slot: u64,
+    /// `threadsinfo` requests.
+    pub threads_info: u64,
 }
 
 /// One task the fake knows.
@@ -247,6 +278,8 @@ pub struct FakeTask {
     pub params: std::collections::BTreeMap<String, String>,
     #[serde(skip)]
     result: String,
+    /// The user agent its solution was earned with (reCAPTCHA Enterprise, Cloudflare).
+    pub user_agent: Option<String>,
 }
 
 impl FakeTask {
@@ -343,7 +376,7 @@ fn chance(seed: u64, id: u64, salt: u64, p: f64) -> bool {
 fn solve_range(p: &HashMap<String, String>) -> (u64, u64) {
     match p.get("method").map(String::as_str) {
         Some("turnstile") => (10_000, 15_000),
-        Some("userrecaptcha" | "hcaptcha") => (15_000, 60_000),
+        Some("userrecaptcha" | "hcaptcha" | "geetest" | "cloudflare_challenge") => (15_000, 60_000),
         _ => (5_000, 20_000),
     }
 }
@@ -503,6 +536,7 @@ impl FakeCaptchaAi {
                         reads: 0,
                         params: std::collections::BTreeMap::new(),
                         result: token(seed, id),
+                        user_agent: None,
                     },
                 );
                 accepted(&mut g, now, now);
@@ -658,16 +692,56 @@ fn key_error(given: Option<&String>, want: &str) -> Option<&'static str> {
     }
 }
 
-fn missing_param(p: &HashMap<String, String>) -> Option<&'static str> {
+fn missing_param(p: &HashMap<String, String>, flavor: Flavor) -> Option<&'static str> {
     let has = |k: &str| p.get(k).is_some_and(|v| !v.is_empty());
     match p.get("method").map(String::as_str) {
+        // CaptchaAI does not solve hCaptcha: every probe of its own workflow tool was answered so.
+        Some("hcaptcha") if flavor == Flavor::Captchaai => Some("ERROR_SERVER_ERROR"),
         Some("userrecaptcha") if !has("googlekey") => Some("ERROR_GOOGLEKEY"),
-        Some("userrecaptcha" | "hcaptcha" | "turnstile") if !has("pageurl") => Some("ERROR_PAGEURL"),
+        Some("userrecaptcha" | "hcaptcha" | "turnstile" | "geetest" | "cloudflare_challenge") if !has("pageurl") => {
+            Some("ERROR_PAGEURL")
+        }
         Some("hcaptcha" | "turnstile") if !has("sitekey") => Some("ERROR_BAD_PARAMETERS"),
+        Some("geetest") if !has("gt") || !has("challenge") => Some("ERROR_BAD_PARAMETERS"),
+        Some("cloudflare_challenge") if !has("proxy") || !has("proxytype") => Some("ERROR_BAD_PROXY"),
+        Some("bls") if !has("instructions") || !(1..=9).all(|i| has(&format!("image_base64_{i}"))) => {
+            Some("ERROR_BAD_PARAMETERS")
+        }
         Some("base64") if !has("body") => Some("ERROR_ZERO_CAPTCHA_FILESIZE"),
-        Some("userrecaptcha" | "hcaptcha" | "turnstile" | "base64" | "post") => None,
+        Some(
+            "userrecaptcha" | "hcaptcha" | "turnstile" | "base64" | "post" | "geetest" | "cloudflare_challenge" | "bls",
+        ) => None,
         _ => Some("ERROR_BAD_PARAMETERS"),
     }
+}
+
+/// The answer a solved task gets for its method (a GeeTest object, BLS's cells, a token), as
+/// text; what `res.php` and the pingback carry.
+fn result_for(seed: u64, id: u64, p: &HashMap<String, String>, flavor: Flavor) -> String {
+    let t = token(seed, id);
+    match p.get("method").map(String::as_str) {
+        Some("geetest") => {
+            let keys = if flavor == Flavor::Captchaai {
+                ("challenge", "validate", "seccode")
+            } else {
+                ("geetest_challenge", "geetest_validate", "geetest_seccode")
+            };
+            serde_json::json!({ keys.0: format!("{t}-c"), keys.1: format!("{t}-v"), keys.2: format!("{t}-v|jordan") })
+                .to_string()
+        }
+        Some("bls") => format!("[{}, {}, {}]", 1 + id % 3, 4 + id % 3, 7 + id % 3),
+        _ => t,
+    }
+}
+
+/// The user agent a solution is earned with: the owner's (`userAgent`), else the solver's own,
+/// for the kinds whose answers carry one (reCAPTCHA Enterprise, a Cloudflare challenge).
+fn user_agent_for(p: &HashMap<String, String>) -> Option<String> {
+    let carries = p.get("method").is_some_and(|m| m == "cloudflare_challenge")
+        || (p.get("method").is_some_and(|m| m == "userrecaptcha") && p.get("enterprise").is_some_and(|e| e == "1"));
+    carries.then(|| {
+        p.get("userAgent").cloned().unwrap_or_else(|| "Mozilla/5.0 (Windows NT 10.0; Win64; x64) FakeSolver/1.0".into())
+    })
 }
 
 fn html_page(status: u16) -> Response {
@@ -834,8 +908,13 @@ async fn in_php(
             impose(&mut g, now, 10_000, "MAX_USER_TURN");
             return answer(json, false, "MAX_USER_TURN".into());
         }
-        if let Some(e) = missing_param(&p) {
+        if let Some(e) = missing_param(&p, g.config.flavor) {
             return answer(json, false, e.into());
+        }
+        if g.config.plan_expired {
+            // The plan ran out: CaptchaAI's "no free thread" code, with threads free.
+            no_slot(&mut g, now);
+            return answer(json, false, "ERROR_ZERO_BALANCE".into());
         }
         if !g.config.submit_errors.is_empty() {
             let code = g.config.submit_errors.remove(0);
@@ -845,7 +924,11 @@ async fn in_php(
             && in_work_at(&mut g, now) >= threads
         {
             no_slot(&mut g, now);
-            return answer(json, false, "ERROR_NO_SLOT_AVAILABLE".into());
+            // CaptchaAI's documented answer for "no free threads" is ERROR_ZERO_BALANCE;
+            // 2captcha's, ERROR_NO_SLOT_AVAILABLE.
+            let code =
+                if g.config.flavor == Flavor::Captchaai { "ERROR_ZERO_BALANCE" } else { "ERROR_NO_SLOT_AVAILABLE" };
+            return answer(json, false, code.into());
         }
         g.next_id += 1;
         let id = g.next_id;
@@ -860,8 +943,9 @@ async fn in_php(
         let result = match (&cfg.result_code, unsolvable) {
             (Some(c), _) => c.clone(),
             (None, true) => "ERROR_CAPTCHA_UNSOLVABLE".into(),
-            (None, false) => token(cfg.seed, id),
+            (None, false) => result_for(cfg.seed, id, &p, cfg.flavor),
         };
+        let user_agent = user_agent_for(&p);
         let m = p.get("method").cloned().unwrap_or_default();
         let recaptcha = m == "userrecaptcha";
         let pingback = p.get("pingback").cloned();
@@ -898,6 +982,7 @@ async fn in_php(
                 reads: 0,
                 params: p.iter().filter(|(k, _)| k.as_str() != "key").map(|(k, v)| (k.clone(), v.clone())).collect(),
                 result,
+                user_agent,
             },
         );
         accepted(&mut g, now, solved_at);
@@ -993,7 +1078,19 @@ async fn res_php(
             } else {
                 g.counts.reports_bad += 1;
             }
+            // CaptchaAI answers a report with HTTP 200 and no body at all.
+            if g.config.flavor == Flavor::Captchaai {
+                return "".into_response();
+            }
             return answer(json, true, "OK_REPORT_RECORDED".into());
+        }
+        Some("threadsinfo") if g.config.flavor == Flavor::Captchaai => {
+            g.counts.threads_info += 1;
+            let working = in_work_at(&mut g, now);
+            let threads = g.config.threads.unwrap_or(UNLIMITED_PLAN);
+            // An expired plan has no thread at work.
+            let working = if g.config.plan_expired { 0 } else { working.min(threads) };
+            return axum::Json(serde_json::json!({ "threads": threads, "working_threads": working })).into_response();
         }
         _ => return answer(json, false, "ERROR_EMPTY_ACTION".into()),
     }
@@ -1012,8 +1109,31 @@ async fn res_php(
     g.counts.res_php_ids += 1;
     count_read(&mut g, id);
     let (ok, text) = read_one(&g, id, now);
+    let task = id.trim().parse::<u64>().ok().and_then(|n| g.tasks.get(&n));
+    if json
+        && ok
+        && let Some(t) = task
+    {
+        let mut v = serde_json::json!({ "status": 1, "request": text });
+        if g.config.flavor == Flavor::Twocaptcha
+            && t.method == "geetest"
+            && let Ok(obj) = serde_json::from_str::<serde_json::Value>(&text)
+        {
+            // 2captcha answers a GeeTest task with an object; CaptchaAI's SDK reads a string.
+            v["request"] = obj;
+        }
+        if let Some(ua) = &t.user_agent {
+            // Where CaptchaAI's own SDK reads it: beside the token, which it reads from `result`.
+            v["user_agent"] = ua.clone().into();
+            v["result"] = text.into();
+        }
+        return axum::Json(v).into_response();
+    }
     answer(json, ok, text.into())
 }
+
+/// What `threadsinfo` says of a fake without a thread plan.
+pub const UNLIMITED_PLAN: u32 = 10_000;
 
 async fn stats(State(shared): State<Shared>) -> impl IntoResponse {
     let now = shared.now();
@@ -1163,7 +1283,8 @@ mod tests {
         Ok(http.get(url).send().await?.text().await?)
     }
 
-    const NO_SLOT: &str = "ERROR_NO_SLOT_AVAILABLE";
+    /// CaptchaAI's answer when every thread is in work (2captcha's would be ERROR_NO_SLOT_AVAILABLE).
+    const NO_SLOT: &str = "ERROR_ZERO_BALANCE";
 
     #[tokio::test]
     async fn a_thread_plan_refuses_submits_while_every_thread_is_in_work() -> anyhow::Result<()> {

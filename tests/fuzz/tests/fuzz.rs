@@ -122,7 +122,7 @@ fn api() -> &'static ApiWorld {
                 },
                 waker: Arc::new(relay_shared::submit::NotifyWaker::default()),
                 relay_keys: relay_shared::store::RelayKeys::new(None)
-                    .with_fixed("fuzz", &SecretString::from(COMPAT_KEY.to_owned())),
+                    .with_fixed("fuzz".into(), &SecretString::from(COMPAT_KEY.to_owned())),
                 compat: relay_api::compat::CompatState::default(),
                 admission: Default::default(),
                 delivery_policy: relay_shared::webhook::UrlPolicy::PublicHttps,

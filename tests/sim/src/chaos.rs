@@ -45,7 +45,7 @@ pub struct ChaosConfig {
     pub data_dir: std::path::PathBuf,
 }
 
-const ALL_KINDS: [CaptchaKind; 6] = CaptchaKind::ALL;
+const ALL_KINDS: [CaptchaKind; 8] = CaptchaKind::CAPTCHAAI;
 
 impl ChaosConfig {
     /// The documented run: 10,000 tasks over 40 simulated minutes.

@@ -419,7 +419,7 @@ impl LoadReport {
 
 const IN_PHP_FORM: &str = "method=turnstile&sitekey=0x4AAA&pageurl=https://shop.example/login";
 const KINDS: [CaptchaKind; 4] =
-    [CaptchaKind::Turnstile, CaptchaKind::RecaptchaV2, CaptchaKind::Hcaptcha, CaptchaKind::Image];
+    [CaptchaKind::Turnstile, CaptchaKind::RecaptchaV2, CaptchaKind::RecaptchaEnterprise, CaptchaKind::Image];
 
 /// splitmix64: the owners' choices, repeatable by seed.
 fn mix(mut z: u64) -> u64 {

@@ -202,7 +202,8 @@ async fn every_token_reaches_a_failing_owner_alive_through_a_kill() -> anyhow::R
     });
     w.schedule_poller(EPOCH);
     worker.start()?;
-    let kinds = [CaptchaKind::RecaptchaV2, CaptchaKind::Turnstile, CaptchaKind::Hcaptcha, CaptchaKind::Image];
+    let kinds =
+        [CaptchaKind::RecaptchaV2, CaptchaKind::Turnstile, CaptchaKind::RecaptchaEnterprise, CaptchaKind::Image];
     let plan: Vec<(String, CaptchaKind)> = TOKEN_PATTERNS
         .iter()
         .flat_map(|(p, n)| (0..*n).map(move |i| ((*p).to_owned(), i)))
@@ -335,8 +336,12 @@ async fn a_thousand_results_reach_a_failing_receiver_or_are_parked_and_listed() 
         .flat_map(|(p, n)| (0..*n).map(move |i| ((*p).to_owned(), i)))
         .enumerate()
         .map(|(k, (p, i))| {
-            let kind =
-                [CaptchaKind::RecaptchaV2, CaptchaKind::Turnstile, CaptchaKind::Image, CaptchaKind::Hcaptcha][k % 4];
+            let kind = [
+                CaptchaKind::RecaptchaV2,
+                CaptchaKind::Turnstile,
+                CaptchaKind::Image,
+                CaptchaKind::RecaptchaEnterprise,
+            ][k % 4];
             let base = if p == "slow" { &local } else { &receiver.base_url };
             (format!("{base}/{p}/{i}"), kind)
         })

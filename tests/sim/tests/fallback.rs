@@ -10,7 +10,7 @@ use relay_sim::{EPOCH, World, steady};
 
 const MIX: [CaptchaKind; 5] = [
     CaptchaKind::RecaptchaV2,
-    CaptchaKind::Hcaptcha,
+    CaptchaKind::RecaptchaEnterprise,
     CaptchaKind::Turnstile,
     CaptchaKind::Image,
     CaptchaKind::RecaptchaV2,
