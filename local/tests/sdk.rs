@@ -1,14 +1,17 @@
 //! The official 2captcha clients, unmodified, against local mode over TLS: the Python SDK
 //! (2captcha-python), the JavaScript SDK (@2captcha/captcha-solver, where node is on the
-//! machine) and the tutorial's own Python client, all at once, with the fake CaptchaAI at its
-//! worst (realistic solve times, `ids=` not understood, bans enforced) dropping 30 % of the
-//! pingbacks. Every answer must be what the fake produced, and no res.php request at the fake
-//! may come from a client's polling: those are answered from the relay's table.
+//! machine) on every kind CaptchaAI solves, and the JavaScript SDK again with a plan's worth of
+//! tasks (200) in flight on one key, all at once, with the fake CaptchaAI at its worst
+//! (realistic solve times, `ids=` not understood, bans enforced, a 200-thread plan, reports
+//! answered with CaptchaAI's empty 200) dropping 30 % of the pingbacks. Every answer must be
+//! what the fake produced, and no res.php request at the fake may come from a client's polling:
+//! those are answered from the relay's table — over the relay's per-key read budget with
+//! something both SDKs take as "not ready yet". (The tutorial's own apps: tests/tutorial.rs.)
 //!
 //! The relay runs with local mode's defaults (poller every 10 s, per-kind callback grace); the
 //! clients with theirs (the Python SDK polls every 10 s and gives up after 120 s, 600 s for
-//! reCAPTCHA; the JavaScript SDK polls every 5 s; the tutorial waits 120 s, then polls every
-//! 30 s). The pinned clients are installed by `infra/tools.sh sdk` on first use.
+//! reCAPTCHA; the JavaScript SDK polls every 5 s). The pinned clients are installed by
+//! `infra/tools.sh sdk` on first use.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -20,6 +23,12 @@ use relay_shared::domain::TaskRef;
 use relay_shared::time::{Clock, SystemClock};
 use secrecy::ExposeSecret;
 use serde_json::Value;
+
+/// The user agent the SDK scripts send with their Enterprise task.
+const SDK_UA: &str = "Mozilla/5.0 (X11; Linux x86_64) relay-sdk-test/1.0";
+
+/// Tasks in flight at once on one key through the JavaScript SDK: a plan's worth.
+const LOAD: usize = 200;
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -64,7 +73,7 @@ async fn client(program: &str, script: &Path, env: &[(&str, String)], limit: Dur
     let last = stdout.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or_default();
     let mut v: Value =
         serde_json::from_str(last.trim()).with_context(|| format!("{} printed no JSON: {stdout}", script.display()))?;
-    // What the client printed before (the tutorial's "Task failed: <id> — <code>" lines).
+    // What the client printed before its JSON.
     v["printed"] = Value::String(stdout.lines().filter(|l| *l != last).collect::<Vec<_>>().join("\n"));
     Ok(v)
 }
@@ -109,7 +118,13 @@ async fn the_official_sdks_unmodified_solve_every_kind_through_the_relay_with_30
         tls_bind: Some("127.0.0.1:0".into()),
         ..LocalConfig::default()
     };
-    let fake = FakeConfig { drop_callbacks: 0.3, seed: 23, balance: "7.25".into(), ..FakeConfig::captchaai_like() };
+    let fake = FakeConfig {
+        drop_callbacks: 0.3,
+        seed: 23,
+        balance: "7.25".into(),
+        threads: Some(LOAD as u32),
+        ..FakeConfig::captchaai_like()
+    };
     let relay = start(&cfg, Options { fake: Some(fake), ..Options::default() }).await?;
     let tls = relay.tls_url.clone().context("the TLS port")?;
     let server = tls.trim_start_matches("https://").to_owned();
@@ -127,31 +142,36 @@ async fn the_official_sdks_unmodified_solve_every_kind_through_the_relay_with_30
         ("RELAY_IMAGE", image.clone()),
         ("REQUESTS_CA_BUNDLE", ca.clone()),
     ];
-    let tut_env = vec![
-        ("RELAY_SERVER", server.clone()),
-        ("CAPTCHAAI_API_KEY", relay.api_key.clone()),
-        ("REQUESTS_CA_BUNDLE", ca.clone()),
-        ("TUTORIAL_TASKS", "4".into()),
-    ];
+
     let js_env = vec![
         ("RELAY_BASE", tls.clone()),
         ("RELAY_KEY", relay.api_key.clone()),
         ("RELAY_IMAGE", image.clone()),
         ("NODE_EXTRA_CA_CERTS", ca.clone()),
     ];
+    let load_env = vec![
+        ("RELAY_BASE", tls.clone()),
+        ("RELAY_KEY", relay.api_key.clone()),
+        ("RELAY_TASKS", LOAD.to_string()),
+        ("NODE_EXTRA_CA_CERTS", ca.clone()),
+    ];
     let py_script = root().join("tests/compat/sdk_python.py");
-    let tut_script = root().join("tests/compat/tutorial_client.py");
     let js_script = root().join("tests/compat/sdk_node.js");
+    let load_script = root().join("tests/compat/sdk_node_load.js");
     let program = python.display().to_string();
-    let (py, tut, js) = tokio::join!(
+    let with_node = node && node_sdk.exists();
+    let (py, js, load) = tokio::join!(
         client(&program, &py_script, &py_env, limit),
-        client(&program, &tut_script, &tut_env, limit),
-        async { if node && node_sdk.exists() { Some(client("node", &js_script, &js_env, limit).await) } else { None } }
+        async { if with_node { Some(client("node", &js_script, &js_env, limit).await) } else { None } },
+        async { if with_node { Some(client("node", &load_script, &load_env, limit).await) } else { None } }
     );
-    let (py, tut) = (py?, tut?);
+    let py = py?;
 
-    // The Python SDK: every kind, the answer the fake produced.
-    let n_py = check_solved(&relay, "python", &py, 11).await?;
+    // The Python SDK: every kind, the answer the fake produced; the enterprise token's user
+    // agent passed through its extended answer.
+    let n_py = check_solved(&relay, "python", &py, 12).await?;
+    let ua = py["solved"]["recaptcha_enterprise_extended"]["user_agent"].as_str().unwrap_or_default();
+    ensure!(ua == SDK_UA, "python: not the user agent of the enterprise token: {py}");
     ensure!(py["balance"].as_f64() == Some(7.25), "python balance {}", py["balance"]);
     ensure!(
         py["report_good"] == "OK_REPORT_RECORDED" && py["report_bad"] == "OK_REPORT_RECORDED",
@@ -171,6 +191,10 @@ async fn the_official_sdks_unmodified_solve_every_kind_through_the_relay_with_30
             ensure!(js["balance"].as_f64() == Some(7.25), "node balance {}", js["balance"]);
             ensure!(js["report_good"] == "OK_REPORT_RECORDED", "node reports {js}");
             ensure!(js["wrong_key"] == "APIError: ERROR_WRONG_USER_KEY", "{}", js["wrong_key"]);
+            ensure!(
+                js["solved"]["recaptcha_enterprise"]["user_agent"] == SDK_UA,
+                "node: no user agent with the enterprise token: {js}"
+            );
             n
         }
         None => {
@@ -178,43 +202,18 @@ async fn the_official_sdks_unmodified_solve_every_kind_through_the_relay_with_30
             0
         }
     };
-    // The tutorial's own client: every task settled. Each result it collected is the fake's
-    // answer; each it was refused is a token that was past its lifetime when its poller asked
-    // (never a lost result, never a stale token handed out).
-    let submitted: Vec<String> = tut["submitted"]
-        .as_array()
-        .context("submitted")?
-        .iter()
-        .filter_map(|v| v.as_str().map(str::to_owned))
-        .collect();
-    ensure!(submitted.len() == 4, "tutorial: {tut}");
-    ensure!(tut["pending"].as_array().is_some_and(Vec::is_empty), "tutorial left tasks pending: {tut}");
-    let printed = tut["printed"].as_str().unwrap_or_default();
-    let (mut tut_fresh, mut tut_expired) = (0usize, 0usize);
-    let finished = SystemClock.now();
-    for id in &submitted {
-        let task = relay.store.get(&TaskRef::from_compat_id(id)?).await?.context("stored")?;
-        ensure!(task.owner_callback.as_deref() == Some("https://owner.example/captcha/callback"), "pingback kept");
-        match tut["results"][id].as_str() {
-            Some(got) => {
-                ensure!(
-                    got == fake_answer(&relay, id).await?,
-                    "tutorial: a different answer than the fake produced for {id}"
-                );
-                tut_fresh += 1;
-            }
-            None => {
-                ensure!(
-                    printed.contains(&format!("Task failed: {id} — ERROR_TOKEN_EXPIRED")),
-                    "tutorial: {id} neither collected nor refused as expired: {printed}"
-                );
-                let expired_at = task.solution_expires_at().context("a solved task")?;
-                ensure!(expired_at <= finished, "tutorial: {id} was refused while its token was fresh");
-                tut_expired += 1;
-            }
+    // A plan's worth in flight on one key through the JavaScript SDK: every task finished.
+    let (n_load, load_p50, load_max) = match load {
+        Some(l) => {
+            let l = l?;
+            let n = check_solved(&relay, "node (200 in flight)", &l, LOAD).await?;
+            let mut secs: Vec<f64> =
+                l["seconds"].as_array().context("seconds")?.iter().filter_map(Value::as_f64).collect();
+            secs.sort_by(f64::total_cmp);
+            (n, secs.get(secs.len() / 2).copied().unwrap_or(0.0), secs.last().copied().unwrap_or(0.0))
         }
-    }
-
+        None => (0, 0.0, 0.0),
+    };
     // At the fake: pingbacks dropped (the relay's poller recovered those), and every res.php
     // request accounted for by the relay's own poller reads (of CaptchaAI ids, which no client
     // ever sees) and the passed-through balance and reports: none from the clients' polling.
@@ -222,19 +221,21 @@ async fn the_official_sdks_unmodified_solve_every_kind_through_the_relay_with_30
     let counts = fake.counts();
     let tasks = fake.tasks();
     let poller_reads: u64 = tasks.iter().map(|t| u64::from(t.reads)).sum();
-    let passed_through = counts.balance_reads + counts.reports_good + counts.reports_bad;
+    let passed_through = counts.balance_reads + counts.reports_good + counts.reports_bad + counts.threads_info;
     let client_reads = counts.res_php - poller_reads - passed_through;
     let dropped = counts.callbacks_dropped;
-    let total = n_py + n_js + submitted.len();
+    let total = n_py + n_js + n_load;
     eprintln!(
-        "| solved through the relay: python SDK / node SDK; tutorial tasks | {n_py} / {n_js}; {} |\n\
-         | tutorial: handed out fresh / refused as past its lifetime   | {tut_fresh} / {tut_expired} |\n\
+        "| solved through the relay: python SDK / node SDK / node SDK, {LOAD} in flight on one key | {n_py} / {n_js} / {n_load} |\n\
+         | the {LOAD} in flight: seconds from submit to answer, p50 / max | {load_p50:.0} / {load_max:.0} |\n\
          | pingbacks dropped by the fake                             | {dropped} of {} |\n\
-         | res.php at the fake: poller reads / balance+reports / client polling | {poller_reads} / {passed_through} / {client_reads} |\n\
-         | most res.php reads of one task                            | {} |",
-        submitted.len(),
+         | res.php at the fake: poller reads / balance+reports+threadsinfo / client polling | {poller_reads} / {passed_through} / {client_reads} |\n\
+         | most res.php reads of one task                            | {} |\n\
+         | \"no free thread\" answers / peak tasks in work (plan {LOAD}) | {} / {} |",
         counts.tasks_accepted,
         tasks.iter().map(|t| t.reads).max().unwrap_or(0),
+        counts.no_slot,
+        fake.peak_in_work(),
     );
     ensure!(counts.tasks_accepted as usize == total, "{} in.php tasks for {total} solves", counts.tasks_accepted);
     ensure!(dropped > 0, "no pingback was dropped: the fallback path was not walked");

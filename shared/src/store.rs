@@ -82,7 +82,8 @@ mod attr {
     pub const CAPTCHA_ID: &str = "captcha_id";
     pub const SUBMITTED_AT: &str = "submitted_at";
     pub const SOLUTION: &str = "solution";
-    /// The user agent the solution was earned with, where CaptchaAI named one.
+    /// The user agent the solution was earned with: the one CaptchaAI named, else the one
+    /// the task was submitted with (`userAgent`).
     pub const USER_AGENT: &str = "user_agent";
     pub const ERROR_CODE: &str = "error_code";
     pub const ERROR_DETAIL: &str = "error_detail";
@@ -660,6 +661,11 @@ impl TaskStore {
             let json = serde_json::to_string(request).map_err(|e| StoreError::Rejected(e.to_string()))?;
             extra.insert("sq_req".to_owned(), s(&json));
             extra.insert("sq_pingback".to_owned(), s(pingback));
+            // The user agent the owner asked CaptchaAI to solve with: its solution's, unless the
+            // answer names another.
+            if let Some(ua) = request.user_agent() {
+                extra.insert(attr::USER_AGENT.to_owned(), s(ua));
+            }
         }
         self.put_new(task, Some(deadline), fingerprint, extra).await
     }
@@ -974,17 +980,18 @@ impl TaskStore {
                              sq_req, sq_pingback";
         match &d.outcome {
             Outcome::Solved(solution) => {
-                // The user agent goes and comes with its solution.
-                let (ua_set, ua_clear) = match solution.user_agent() {
+                // The user agent the answer names; without one, the one the task was submitted
+                // with (kept on the item since) is the one the token was earned with.
+                let ua_set = match solution.user_agent() {
                     Some(ua) => {
                         req = req.expression_attribute_values(":ua", s(ua));
-                        (", user_agent = :ua", "")
+                        ", user_agent = :ua"
                     }
-                    None => ("", ", user_agent"),
+                    None => "",
                 };
                 req.update_expression(format!(
                     "SET #state = :solvedstate, solution = :solution, token_clock_start = :clock{ua_set}, {COMMON}, \
-                     {DELIVERY_DUE} {CLEAR}, {DELIVERY_CLEAR}, error_code{ua_clear}"
+                     {DELIVERY_DUE} {CLEAR}, {DELIVERY_CLEAR}, error_code"
                 ))
                 .expression_attribute_values(":solvedstate", s("solved"))
                 .expression_attribute_values(":solution", s(solution.expose()))
@@ -994,7 +1001,7 @@ impl TaskStore {
                 // A verdict received earlier can replace a solution: no token stays on a failed task.
                 .update_expression(format!(
                     "SET #state = :failedstate, error_code = :code, {COMMON}, {DELIVERY_DUE} \
-                     {CLEAR}, {DELIVERY_CLEAR}, solution, token_clock_start, user_agent"
+                     {CLEAR}, {DELIVERY_CLEAR}, solution, token_clock_start"
                 ))
                 .expression_attribute_values(":failedstate", s("failed"))
                 .expression_attribute_values(":code", s(code.as_ref())),

@@ -12,12 +12,14 @@ Object.defineProperty(solver, "in", { value: `${base}/in.php` });
 Object.defineProperty(solver, "res", { value: `${base}/res.php` });
 
 const page = "https://shop.example/login";
+// The user agent an Enterprise token is to be used with: sent, and handed back beside the token.
+const ua = "Mozilla/5.0 (X11; Linux x86_64) relay-sdk-test/1.0";
 const image = fs.readFileSync(process.env.RELAY_IMAGE, "base64");
 const jobs = {
   recaptcha_v2: () => solver.recaptcha({ googlekey: "6LfD3PIbAAAAAJs_eEHvoOl75_83eXSqpPSRFJ_u", pageurl: page }),
   recaptcha_v3: () => solver.recaptcha({ googlekey: "6LfB5_IbAAAAAMCtsjEHEHKqcB9iQocwwxTiihJu", pageurl: page, version: "v3", action: "verify", min_score: 0.7 }),
-  recaptcha_enterprise: () => solver.recaptcha({ googlekey: "6Lf26sUnAAAAAIKLuWNYgRsFUfmI-3Lex3xT5N-s", pageurl: page, enterprise: 1 }),
-  hcaptcha: () => solver.hcaptcha({ sitekey: "f7de0da3-3303-44e8-ab48-fa32ff8ccc7b", pageurl: page }),
+  recaptcha_enterprise: () => solver.recaptcha({ googlekey: "6Lf26sUnAAAAAIKLuWNYgRsFUfmI-3Lex3xT5N-s", pageurl: page, enterprise: 1, userAgent: ua }),
+  geetest: () => solver.geetest({ gt: "81388ea1fc187e0c335c0a8907ff2625", challenge: "2e2f0f65240058b683cb6ea21c303eea", pageurl: page }),
   turnstile: () => solver.cloudflareTurnstile({ sitekey: "0x4AAAAAAAVrOwQWPlm3Bnr5", pageurl: page }),
   image: () => solver.imageCaptcha({ body: image, numeric: 1 }),
 };
@@ -28,7 +30,9 @@ const jobs = {
     Object.entries(jobs).map(async ([name, job]) => {
       try {
         const r = await job();
-        out.solved[name] = { id: String(r.id), code: r.data };
+        // A GeeTest answer comes as the JSON object 2captcha sends; the rest as text.
+        const code = typeof r.data === "string" ? r.data : JSON.stringify(r.data);
+        out.solved[name] = { id: String(r.id), code, user_agent: r.user_agent };
       } catch (e) {
         // The SDK's APIError keeps the server's code in `err` and its own text in `message`.
         out.errors[name] = `${e && e.name}: ${e && e.err ? e.err : e && e.message}`;

@@ -18,6 +18,8 @@ SERVER = os.environ["RELAY_SERVER"]
 KEY = os.environ["RELAY_KEY"]
 IMAGE = os.environ["RELAY_IMAGE"]
 PAGE = "https://shop.example/login"
+# The user agent an Enterprise token is to be used with: sent, and handed back beside the token.
+UA = "Mozilla/5.0 (X11; Linux x86_64) relay-sdk-test/1.0"
 
 # The one line that changes: the SDK's own defaults otherwise (poll every 10 s, give up after
 # 120 s, 600 s for reCAPTCHA).
@@ -32,7 +34,8 @@ JOBS = {
     "recaptcha_v2_invisible": lambda: solver.recaptcha(sitekey="6LdO5_IbAAAAAAeVBL9TClS19NUTt5wswEb3Q7C5", url=PAGE, invisible=1),
     "recaptcha_v3": lambda: solver.recaptcha(sitekey="6LfB5_IbAAAAAMCtsjEHEHKqcB9iQocwwxTiihJu", url=PAGE, version="v3", action="verify", score=0.7),
     "recaptcha_enterprise": lambda: solver.recaptcha(sitekey="6Lf26sUnAAAAAIKLuWNYgRsFUfmI-3Lex3xT5N-s", url=PAGE, enterprise=1),
-    "hcaptcha": lambda: solver.hcaptcha(sitekey="f7de0da3-3303-44e8-ab48-fa32ff8ccc7b", url=PAGE),
+    "recaptcha_enterprise_extended": lambda: extended.recaptcha(sitekey="6Lf26sUnAAAAAIKLuWNYgRsFUfmI-3Lex3xT5N-s", url=PAGE, enterprise=1, userAgent=UA),
+    "geetest": lambda: solver.geetest(gt="81388ea1fc187e0c335c0a8907ff2625", challenge="2e2f0f65240058b683cb6ea21c303eea", url=PAGE, apiServer="api.geetest.com"),
     "turnstile_1": lambda: solver.turnstile(sitekey="0x4AAAAAAAVrOwQWPlm3Bnr5", url=PAGE),
     "turnstile_2": lambda: solver.turnstile(sitekey="0x4AAAAAAAVrOwQWPlm3Bnr5", url=PAGE, action="login"),
     "turnstile_extended": lambda: extended.turnstile(sitekey="0x4AAAAAAAVrOwQWPlm3Bnr5", url=PAGE),
@@ -49,6 +52,8 @@ with concurrent.futures.ThreadPoolExecutor(max_workers=len(JOBS)) as pool:
         try:
             r = fut.result()
             out["solved"][name] = {"id": r["captchaId"], "code": r["code"]}
+            if "user_agent" in r:  # extendedResponse passes the answer's other keys through
+                out["solved"][name]["user_agent"] = r["user_agent"]
         except Exception as e:  # reported, and the Rust test fails on any
             out["errors"][name] = f"{type(e).__name__}: {e}"
 

@@ -506,6 +506,7 @@ impl TaskStore {
         ]
         .into_iter()
         .map(|(k, v)| (k.to_owned(), v))
+        .chain(request.user_agent().map(|ua| (attr::USER_AGENT.to_owned(), s(ua))))
         .collect();
         self.put_new(task, None, fingerprint, extra).await
     }
