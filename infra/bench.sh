@@ -14,14 +14,20 @@ profile=release
 for a in "$@"; do [ "$a" = "--quick" ] && profile=debug; done
 [ -x .venv/bin/moto_server ] || infra/tools.sh moto
 infra/tools.sh bench
-flag=(); [ "$profile" = release ] && flag=(--release)
-echo "==> building the bench and local mode ($profile)"
-cargo build "${flag[@]}" --locked -p relay-bench -p relay-local
-# The functions (and the hello yardstick) on their own, as a deploy builds them: without the
-# bench's test features.
-echo "==> building the functions ($profile)"
-cargo build "${flag[@]}" --locked -p relay-api -p relay-callback -p relay-poller -p relay-redrive -p relay-delivery \
-  -p relay-submitter -p relay-bench-hello
+if [ "$profile" = release ]; then
+  echo "==> building the bench and local mode (release)"
+  cargo build --release --locked -p relay-bench -p relay-local
+  # The functions (and the hello yardstick) on their own, as a deploy builds them: without the
+  # bench's test features.
+  echo "==> building the functions (release)"
+  cargo build --release --locked -p relay-api -p relay-callback -p relay-poller -p relay-redrive -p relay-delivery \
+    -p relay-submitter -p relay-bench-hello
+else
+  # The smoke version checks that every part works, not timings: the workspace's one debug build
+  # (the test command's), which a build of a few packages alone would compile again.
+  echo "==> building (debug, the workspace's build)"
+  cargo build --locked --workspace --all-targets
+fi
 if [ "$profile" = release ] && command -v valgrind >/dev/null; then
   # The release build's twin with its symbols kept: part 1 counts instructions on it
   # (callgrind) and splits them into engine, SDK client and the relay's own work.

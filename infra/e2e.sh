@@ -18,6 +18,8 @@ from cfnlint.decode import cfn_yaml
 json.dump(cfn_yaml.load("template.yaml"), open("target/template.json", "w"), default=str)
 PY
 export RELAY_TEMPLATE_JSON="$root/target/template.json"
-cargo build --locked --bins -p relay-api -p relay-callback -p relay-poller -p relay-redrive -p relay-delivery \
-  -p relay-submitter -p relay-e2e
+# The workspace's one build (the test command's: every target, features unified the same), so
+# after `cargo nextest run --workspace --all-targets` this compiles only the binaries no test
+# runs; a build of a few packages alone would compile their dependencies again.
+cargo build --locked --workspace --all-targets
 target/debug/relay-e2e "$@"

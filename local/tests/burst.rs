@@ -1,7 +1,9 @@
 //! A burst above the CaptchaAI plan through the `relay-local` binary, killed with SIGKILL
-//! mid-burst and started again on the same data (issue 24): every task accepted at once, none
-//! bounced, released as the plan's threads free, paid at most once, "no slot" answers far below
-//! the ban rules — in real time, with the relay's default settings.
+//! mid-burst and started again on the same data (issues 24, 36): every task accepted at once,
+//! none bounced, released as the plan's threads free, every one solved — a task whose in.php
+//! call the kill cut, its pingback lost with the relay, is sent again once when its result is
+//! overdue (never more) — and "no slot" answers far below the ban rules — in real time, with the
+//! relay's default settings.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -82,8 +84,9 @@ async fn forty_at_once_against_five_threads_survive_a_sigkill_mid_burst() -> any
     }
     let refs: Vec<TaskRef> = refs.into_iter().flatten().collect();
 
-    // Every task ends; a task whose release the kill cut (sent or not, the relay cannot know)
-    // is never sent again: it can only end by its pingback, or expire.
+    // Every task ends solved. A task whose release the kill cut (sent or not, the relay cannot
+    // know) is resolved by its pingback, or — its pingback lost with the relay — sent once more
+    // when its result is overdue (Turnstile: 60 s), well within its kind's deadline.
     let until = Instant::now() + Duration::from_secs(150);
     let mut solved_at: HashMap<TaskRef, f64> = HashMap::new();
     let mut finals: HashMap<TaskRef, serde_json::Value> = HashMap::new();
@@ -117,28 +120,39 @@ async fn forty_at_once_against_five_threads_survive_a_sigkill_mid_burst() -> any
         }
     }
     let c = fake.counts();
-    let mut cut = Vec::new();
+    let mut unsolved = Vec::new();
+    let mut resent = 0;
     for r in &refs {
-        assert!(paid.get(r).is_none_or(|p| p.len() == 1), "{r} paid twice: {:?}", paid.get(r));
-        match finals.get(r) {
-            Some(v) if v["status"] == "solved" => {
-                let want = paid.get(r).and_then(|p| p[0].answer.clone());
-                assert_eq!(v["solution"].as_str(), want.as_deref(), "{r}: the fake's answer");
+        let sent = paid.get(r).map_or(0, Vec::len);
+        let v = finals.get(r).or_else(|| last.get(r)).cloned().unwrap_or_default();
+        // At most one extra in.php, and only for a task stranded by the kill and sent again.
+        assert!(sent <= 1 || (sent == 2 && v["resent_at"].is_string()), "{r} sent {sent} times: {v}");
+        resent += usize::from(v["resent_at"].is_string());
+        match v["status"].as_str() {
+            Some("solved") => {
+                let answers: Vec<Option<String>> =
+                    paid.get(r).map(|p| p.iter().map(|t| t.answer.clone()).collect()).unwrap_or_default();
+                assert!(
+                    answers.contains(&v["solution"].as_str().map(str::to_owned)),
+                    "{r}: not an answer the fake produced"
+                );
             }
-            _ => cut.push((r.clone(), last.get(r).cloned().unwrap_or_default())),
+            _ => unsolved.push((r.clone(), v)),
         }
     }
+    let kill_at = killed_at.duration_since(start).as_secs_f64();
     println!(
         "relay-local, 40 at once (20 POST /tasks, 20 /in.php), 5 threads, 3 s solves, SIGKILL at 1.5 s, restart after 2 s:\n\
          | accepted at once / refused | 40 / 0 |\n\
-         | solved / cut by the kill | {} / {} |\n\
-         | in.php calls / tasks CaptchaAI took / paid twice | {} / {} / 0 |\n\
+         | solved / left unsolved | {} / {} |\n\
+         | stranded by the kill and sent again (once each) | {resent} |\n\
+         | in.php calls / tasks CaptchaAI took | {} / {} |\n\
          | in.php calls before the kill | {} |\n\
-         | NO_SLOT answers (most in a minute) / bans | {} ({}) / {} |\n\
+         | \"no free thread\" answers (most in a minute) / bans | {} ({}) / {} |\n\
          | peak tasks in work (plan) | {} (5) |\n\
-         | burst -> last solved | {:.1} s (the kill at {:.1} s) |",
+         | burst -> last solved | {:.1} s (the kill at {kill_at:.1} s) |",
         solved_at.len(),
-        cut.len(),
+        unsolved.len(),
         c.in_php,
         c.tasks_accepted,
         before_kill.in_php,
@@ -147,20 +161,10 @@ async fn forty_at_once_against_five_threads_survive_a_sigkill_mid_burst() -> any
         c.bans,
         fake.peak_in_work(),
         solved_at.values().copied().fold(0.0, f64::max),
-        killed_at.duration_since(start).as_secs_f64(),
     );
-    // Only a release the kill cut (its in.php call in flight: at most the submitter's 8) may end
-    // unsolved — still `submitting` with its outcome unknown until its deadline, or expired — and
-    // only if CaptchaAI's answer and its pingback were both lost with the relay. Nothing else is
-    // left queued, failed or open.
-    assert!(cut.len() <= 8, "{} tasks not solved: {cut:?}", cut.len());
-    for (r, v) in &cut {
-        assert!(matches!(v["status"].as_str(), Some("submitting" | "expired")), "{r} ended {v}");
-        assert!(v.get("captcha_id").is_none(), "{r} has CaptchaAI's id: the poller reads it ({v})");
-        let pingback_taken = paid.get(r).is_some_and(|p| p[0].callback_statuses.iter().any(|s| (200..300).contains(s)));
-        assert!(!pingback_taken, "{r} was solved and its pingback taken, yet it ended {v}");
-    }
-    assert_eq!(c.in_php, c.tasks_accepted + c.no_slot, "one call per task, plus the refused ones");
+    // No paid result is left unfound: every task solved, each with an answer CaptchaAI gave it.
+    assert!(unsolved.is_empty(), "{} tasks not solved: {unsolved:?}", unsolved.len());
+    assert_eq!(c.in_php, c.tasks_accepted + c.no_slot, "every call a task taken or an explicit refusal");
     assert!(fake.max_no_slot_per_minute() <= 60 && c.bans == 0, "no ban risked");
     assert!(fake.peak_in_work() <= 5);
     Ok(())

@@ -973,6 +973,7 @@ impl Task {
             expires_at: None,
             late_result: None,
             submit_outcome: None,
+            resent_at: self.resent_at.map(Timestamp::to_rfc3339),
             queue: None,
             callback_url: self.owner_callback.clone(),
             delivery: self.delivery.as_ref().map(|d| DeliveryView {
@@ -1106,6 +1107,10 @@ pub struct TaskView {
     /// `unknown` while in.php's answer to the submit is not known (see `error_detail`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub submit_outcome: Option<&'static str>,
+    /// When the task was sent to in.php a second time, its first submit's outcome lost and its
+    /// result overdue (once at most; either submission's result is its result).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub resent_at: Option<String>,
     /// Where a queued task waits (status `queued`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub queue: Option<QueueView>,

@@ -12,6 +12,41 @@ use aws_sdk_dynamodb::Client;
 use crate::local::config_for;
 pub use crate::local::{FlakyDynamo, LocalDynamo, client_for, http_client as test_http_client, receiver};
 
+/// What CaptchaAI was sent, per task of ours: the in.php calls it took, counted by the task
+/// reference their pingback path names (`…/callback/<ref>/<signature>`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Sends {
+    /// Tasks sent a second time because they were stranded (their first submit's outcome lost)
+    /// and overdue: the relay's one allowed extra in.php (`Task::resent_at` set).
+    pub resent: usize,
+    /// Tasks sent more than once without that cause, or more than twice: must be none.
+    pub without_cause: usize,
+}
+
+/// Counts [`Sends`] from the pingback URLs of every task CaptchaAI took.
+pub async fn sends<'a>(
+    store: &crate::store::TaskStore,
+    pingbacks: impl Iterator<Item = &'a str>,
+) -> Result<Sends, crate::store::StoreError> {
+    let mut per_ref: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+    for p in pingbacks {
+        *per_ref.entry(p.split('/').rev().nth(1).unwrap_or_default()).or_default() += 1;
+    }
+    let mut s = Sends::default();
+    for (r, n) in per_ref.into_iter().filter(|(_, n)| *n > 1) {
+        let resent = match crate::domain::TaskRef::parse(r) {
+            Ok(r) => store.get(&r).await?.is_some_and(|t| t.resent_at.is_some()),
+            Err(_) => false,
+        };
+        if n == 2 && resent {
+            s.resent += 1;
+        } else {
+            s.without_cause += 1;
+        }
+    }
+    Ok(s)
+}
+
 /// A valid `POST /tasks` body for each kind, as the simulations and the end-to-end run send it.
 pub fn body_for(kind: crate::domain::CaptchaKind) -> &'static str {
     match kind {
