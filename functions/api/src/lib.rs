@@ -258,7 +258,7 @@ fn replay(task: &Task, stored: Option<&str>, fingerprint: &str, now: Timestamp) 
 async fn submit(req: &Request, deps: &Deps) -> Result<Response<Body>, Response<Body>> {
     let (submit, fingerprint, owner_callback) = parse_submit(req, deps.delivery_policy)?;
     if !deps.queue.upstream.solves(submit.kind()) {
-        return Err(problem(422, "unsupported_kind", &deps.queue.upstream.refusal(submit.kind())));
+        return Err(problem(422, "unsupported_kind", deps.queue.upstream.refusal(submit.kind())));
     }
     let idem = idempotency_key(req)?;
     let owner = deps.auth.owner(req);
