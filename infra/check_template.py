@@ -924,6 +924,29 @@ def check_capacity(t, overrides=None):
     return out
 
 
+def check_retention(t, overrides=None):
+    """No queue that can hold a result keeps it longer than RetentionDays, the table's TTL:
+    the dead-letter and poison queues' MessageRetentionPeriod (an SQS message's age counts from
+    its first enqueue, also in the poison queue) and the functions' RETENTION_DAYS."""
+    out = []
+    vals = param_values(t, overrides or {})
+    days = float(vals.get("RetentionDays") or 0)
+    res = t["Resources"]
+    env = t.get("Globals", {}).get("Function", {}).get("Environment", {}).get("Variables", {})
+    if ref_target(env.get("RETENTION_DAYS")) != "RetentionDays":
+        out.append("Globals: RETENTION_DAYS is not !Ref RetentionDays (the reads refuse what is past it)")
+    for name, r in res.items():
+        if r.get("Type") != "AWS::SQS::Queue":
+            continue
+        period = r.get("Properties", {}).get("MessageRetentionPeriod", 345600)
+        param = number_param(t, period)
+        seconds = float(vals.get(param) or 0) if param else float(period)
+        holds_results = name in {"DeadLetterQueue", "PoisonQueue"}
+        if holds_results and seconds > days * 86400:
+            out.append(f"{name}: keeps a dead letter (a solution) {seconds:g} s, longer than RetentionDays = {vals.get('RetentionDays')} ({days * 86400:g} s)")
+    return out
+
+
 def rust_sources():
     return "\n".join(p.read_text() for p in ROOT.rglob("*.rs") if "target" not in p.parts and ".venv" not in p.parts)
 
@@ -939,6 +962,7 @@ def run_checks(t, readme, sources):
         "delivery": check_delivery(t),
         "submit-queue": check_submit_queue(t),
         "capacity": check_capacity(t, OVERRIDES),
+        "retention": check_retention(t, OVERRIDES),
     }
 
 
@@ -962,6 +986,8 @@ def self_test(t, readme, sources):
         ("sqs-visibility", broken(lambda c: c["Resources"]["RedriveFunction"]["Properties"]["Environment"]["Variables"].__setitem__("MAX_RECEIVE_COUNT", 5))),
         ("reserved", broken(lambda c: c["Resources"][poller]["Properties"].__setitem__("ReservedConcurrentExecutions", 2))),
         ("secrets", broken(lambda c: c["Resources"][poller]["Properties"].__setitem__("Policies", [{"Statement": []}]))),
+        ("retention", broken(lambda c: c["Parameters"]["PoisonRetentionSeconds"].__setitem__("Default", 1209600))),
+        ("retention", broken(lambda c: c["Resources"]["DeadLetterQueue"]["Properties"].__setitem__("MessageRetentionPeriod", 1209600))),
     ]
     failures = []
     api_fn = "ApiFunction"

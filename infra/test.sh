@@ -36,18 +36,22 @@ export RELAY_TEST_SQS_ENDPOINT="$MOTO_ENDPOINT"
 step "the tests: unit, store on the embedded DynamoDB, handlers, poller, dead letters on moto's SQS, simulations, local mode, the SDKs and the tutorial's apps"
 "${runner[@]}" --workspace --all-targets
 
-step "store contract tests again, against moto's DynamoDB (the second engine)"
+step "store contract tests again, against moto's DynamoDB (the second engine), and the API's retention test"
 # Not the race of 50 concurrent writes: moto evaluates a condition and then writes, without a
 # lock between the two, so two conditional writes can both win there (measured: 2 winners of 50).
 # DynamoDB and the embedded engine make the check and the write one step; the race runs on the
-# embedded engine above.
+# embedded engine above. The retention test: moto keeps an item past its TTL, as DynamoDB does
+# until its background deletion; the API must refuse it all the same.
+export RELAY_TEST_DYNAMODB_ENDPOINT="$RELAY_TEST_SQS_ENDPOINT"
+# The whole workspace, filtered: `-p` alone would resolve features anew and compile the SDK again.
 if [ "${runner[1]}" = nextest ]; then
-  RELAY_TEST_DYNAMODB_ENDPOINT="$RELAY_TEST_SQS_ENDPOINT" "${runner[@]}" -p relay-shared --lib \
-    -E 'test(/^store::/) - test(=store::tests::fifty_concurrent_deliveries_write_exactly_once)'
+  "${runner[@]}" --workspace --all-targets -E \
+    '(package(relay-shared) & kind(lib) & test(/^store::/) - test(=store::tests::fifty_concurrent_deliveries_write_exactly_once)) | (package(relay-api) & kind(lib) & test(/retention/))'
 else
-  RELAY_TEST_DYNAMODB_ENDPOINT="$RELAY_TEST_SQS_ENDPOINT" "${runner[@]}" -p relay-shared --lib store:: -- \
-    --skip store::tests::fifty_concurrent_deliveries_write_exactly_once
+  "${runner[@]}" -p relay-shared --lib store:: -- --skip store::tests::fifty_concurrent_deliveries_write_exactly_once
+  "${runner[@]}" -p relay-api --lib retention
 fi
+unset RELAY_TEST_DYNAMODB_ENDPOINT
 
 step "end to end: the six Lambda binaries under cargo lambda watch, moto, resources from template.yaml"
 infra/e2e.sh

@@ -5,6 +5,7 @@
 pub mod demo;
 pub mod ops;
 pub mod queue;
+pub mod retention;
 pub mod run;
 pub mod tls;
 

@@ -61,6 +61,19 @@ enum Cmd {
         #[command(subcommand)]
         cmd: DeliveriesCmd,
     },
+    /// Erase one owner's tasks now (an erasure request), from a local relay running or stopped:
+    /// every task submitted with relay key NAME (`--key`), or by OWNER (`--owner`, as `GET
+    /// /tasks` callers are named: `api-key` for local mode's bearer key); then the task file is
+    /// compacted so what they held leaves the disk. Prints how many went.
+    Erase {
+        #[arg(long, env = "RELAY_DATA_DIR", default_value = "relay-data")]
+        data_dir: PathBuf,
+        /// A relay key's name: its tasks (`key:<name>`).
+        #[arg(long, conflicts_with = "owner")]
+        key: Option<String>,
+        #[arg(long)]
+        owner: Option<String>,
+    },
     /// Run the demo scenario against the built-in fake CaptchaAI, pushing to an owner receiver
     /// it starts.
     Demo {
@@ -288,6 +301,15 @@ fn print_banner(cfg: &LocalConfig, relay: &relay_local::run::Running, from_file:
 async fn run(cmd: Cmd) -> anyhow::Result<std::process::ExitCode> {
     match cmd {
         Cmd::Serve { .. } => anyhow::bail!("`serve` runs through `serve()`"),
+        Cmd::Erase { data_dir, key, owner } => {
+            let owner = relay_shared::store::retention::erasure_owner(key.as_deref(), owner.as_deref())
+                .map_err(anyhow::Error::msg)?;
+            let opened = relay_local::ops::open_store(&data_dir).await?;
+            let removed = opened.store.erase_owner(&owner).await?;
+            relay_local::retention::compact(&data_dir.join("tasks.sqlite")).await?;
+            println!("erased {} task(s) of `{owner}` ({} items read)", removed.deleted, removed.scanned);
+            Ok(std::process::ExitCode::SUCCESS)
+        }
         Cmd::DeadLetters { data_dir, cmd } => {
             let queue = relay_local::ops::open_queue(&data_dir)?;
             match cmd {

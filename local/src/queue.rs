@@ -66,6 +66,7 @@ impl DiskQueue {
         conn.execute_batch(
             "PRAGMA journal_mode=WAL;
              PRAGMA synchronous=FULL;
+             PRAGMA secure_delete=ON;
              CREATE TABLE IF NOT EXISTS messages (
                  id INTEGER PRIMARY KEY AUTOINCREMENT,
                  body TEXT NOT NULL,
@@ -242,6 +243,31 @@ impl DiskQueue {
         .map_err(qerr)?
         .collect::<Result<_, _>>()
         .map_err(qerr)
+    }
+
+    /// Deletes every letter, queued or poisoned, whose result was received before `cutoff`
+    /// (epoch ms; a letter that does not say when, by when it was queued or poisoned): its
+    /// retention has ended. `secure_delete` zeroes what they held, and the write-ahead log is
+    /// emptied, so the bytes leave the disk. Returns how many went.
+    pub fn purge_before(&self, cutoff_ms: u64) -> Result<usize, QueueError> {
+        let conn = self.lock()?;
+        let cutoff = i64::try_from(cutoff_ms).unwrap_or(i64::MAX);
+        let n = conn
+            .execute(
+                "DELETE FROM messages WHERE COALESCE(json_extract(body, '$.received_at_ms'), sent_at) < ?1",
+                params![cutoff],
+            )
+            .map_err(qerr)?
+            + conn
+                .execute(
+                    "DELETE FROM poison WHERE COALESCE(json_extract(body, '$.received_at_ms'), poisoned_at) < ?1",
+                    params![cutoff],
+                )
+                .map_err(qerr)?;
+        if n > 0 {
+            conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(())).map_err(qerr)?;
+        }
+        Ok(n)
     }
 
     /// Moves a poisoned message back to the queue (one transaction: never lost, never doubled).

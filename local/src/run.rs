@@ -22,7 +22,7 @@ use crate::{LocalParts, Relay};
 /// The file in the data directory that names the running relay's store endpoint.
 pub const ENDPOINT_FILE: &str = "dynamodb-endpoint";
 
-/// How long a finished task is kept (the table's TTL), as on AWS by default.
+/// How long a finished task is kept by default (`RETENTION_DAYS`, as on AWS).
 pub const RETENTION: Duration = Duration::from_secs(7 * 86_400);
 
 /// The task store of the relay running on `data_dir`, through the endpoint it wrote there (for
@@ -76,6 +76,11 @@ pub struct LocalSecrets {
 }
 
 impl LocalConfig {
+    /// How long tasks and results are kept (`RETENTION_DAYS`).
+    pub fn retention(&self) -> Duration {
+        Duration::from_secs(self.retention_days.max(1) * 86_400)
+    }
+
     /// Where the webhook signing secret is kept when `WEBHOOK_SECRETS` is not given.
     pub fn webhook_secrets_path(&self) -> PathBuf {
         self.data_dir.join("webhook-secrets")
@@ -193,6 +198,10 @@ pub struct LocalConfig {
     pub webhook_secrets: Option<String>,
     /// `text` (default) or `json` (`RELAY_LOG_FORMAT`): see [`LogFormat`].
     pub log_format: LogFormat,
+    /// Days a task and its result are kept (`RETENTION_DAYS`, default 7, as on AWS): past them
+    /// no read hands it out, and the sweep deletes it and the bytes it held (see
+    /// [`crate::retention`]).
+    pub retention_days: u64,
     /// How results of tasks submitted through `/in.php` with the API key are pushed to their
     /// `pingback` (`RELAY_PINGBACK_FORM`): `get`, CaptchaAI's `GET ?id=…&code=…` (default), or
     /// `post`, 2captcha's form. Keys made with `relay-local keys create` carry their own.
@@ -218,6 +227,7 @@ impl Default for LocalConfig {
             webhook_secrets: None,
             log_format: LogFormat::Text,
             pingback_form: relay_shared::domain::PingbackForm::Get,
+            retention_days: 7,
         }
     }
 }
@@ -282,6 +292,14 @@ impl LocalConfig {
         }
         if let Some(v) = env("RELAY_LOG_FORMAT") {
             c.log_format = LogFormat::from_env(Some(&v))?;
+        }
+        if let Some(v) = env("RETENTION_DAYS") {
+            c.retention_days = v
+                .trim()
+                .parse()
+                .ok()
+                .filter(|d| *d >= 1)
+                .with_context(|| format!("RETENTION_DAYS must be a whole number of days, at least 1, got `{v}`"))?;
         }
         if let Some(v) = env("RELAY_PINGBACK_FORM") {
             c.pingback_form = relay_shared::domain::PingbackForm::parse(&v)
@@ -392,6 +410,8 @@ pub struct Options {
     /// Push settings instead of [`delivery_settings`] (the demo's: a short timeout, few
     /// attempts, so a failing owner's pushes are retried and parked while it runs).
     pub delivery: Option<relay_shared::delivery::DeliverySettings>,
+    /// The relay's clock (default: the system's) — a test's, to be days ahead.
+    pub clock: Option<Arc<dyn Clock>>,
 }
 
 /// A running local relay. [`Running::shutdown`] stops it gracefully.
@@ -461,8 +481,8 @@ pub async fn start(cfg: &LocalConfig, opts: Options) -> anyhow::Result<Running> 
         .with_context(|| format!("cannot write {}", cfg.data_dir.join(ENDPOINT_FILE).display()))?;
     let flaky = if opts.flaky_store { Some(FlakyDynamo::start(&db.endpoint).await?) } else { None };
     let endpoint = flaky.as_ref().map_or(db.endpoint.clone(), |f| f.endpoint.clone());
-    let retention = RETENTION;
-    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let retention = cfg.retention();
+    let clock: Arc<dyn Clock> = opts.clock.clone().unwrap_or_else(|| Arc::new(SystemClock));
     // The delivery worker hears of each result as the store writes it (on AWS, the table's
     // stream), and of its own retries as they fall due.
     let (inbox, inbox_rx) = relay_shared::delivery::Inbox::new(clock.clone());
@@ -586,6 +606,15 @@ pub async fn start(cfg: &LocalConfig, opts: Options) -> anyhow::Result<Running> 
     workers.spawn(async move {
         relay_submitter::serve_local(&submitter, clock4, wake, rx).await;
     });
+    // Nothing kept past its retention: tasks, dead letters, and the bytes they held.
+    let sweep = crate::retention::Sweep {
+        store: store.clone(),
+        queue: queue.clone(),
+        tasks_file: cfg.data_dir.join("tasks.sqlite"),
+        retention,
+        clock: clock.clone(),
+    };
+    workers.spawn(sweep.run(stop_rx.clone()));
     let (mut rx, q, st) = (stop_rx, queue.clone(), store.clone());
     let redrive_every = opts.redrive_every.unwrap_or(Duration::from_millis(500));
     workers.spawn(async move {

@@ -54,9 +54,18 @@ async fn submit(http: &reqwest::Client, port: u16, i: usize, compat: bool) -> an
 #[tokio::test(flavor = "multi_thread")]
 async fn forty_at_once_against_five_threads_survive_a_sigkill_mid_burst() -> anyhow::Result<()> {
     // The fake lives in this test process, so it outlives the relay. A plan of 5 threads, each
-    // task solved 3 s after CaptchaAI takes it; the ban rules on NO_SLOT answers enforced.
-    let fake =
-        FakeCaptchaAi::start(FakeConfig { threads: Some(5), solve_delay_ms: 3_000, ..FakeConfig::default() }).await?;
+    // task solved 3 s after CaptchaAI takes it; the ban rules on NO_SLOT answers enforced. It
+    // answers in.php a second after taking a task, and sends no pingback at all: a task whose
+    // answer the kill cuts is taken (paid, solved) by CaptchaAI, yet the relay holds no id for it
+    // and no pingback will name it — stranded, unless it is sent again.
+    let fake = FakeCaptchaAi::start(FakeConfig {
+        threads: Some(5),
+        solve_delay_ms: 3_000,
+        after_accept: vec![fake_captchaai::AfterAccept::Slow { ms: 1_000 }; 100],
+        drop_callbacks: 1.0,
+        ..FakeConfig::default()
+    })
+    .await?;
     let (port, data, http) = (free_port(), tmp_dir(), reqwest::Client::new());
     // The relay's defaults (per-kind callback grace, no CAPTCHAAI_THREADS: it learns the plan).
     let env = [("CALLBACK_GRACE_SECS", ""), ("POLL_INTERVAL_SECS", "10")];
@@ -66,8 +75,12 @@ async fn forty_at_once_against_five_threads_survive_a_sigkill_mid_burst() -> any
     let answers = futures_util::future::join_all((0..40).map(|i| submit(&http, port, i, i % 2 == 1))).await;
     let mut refs: Vec<Option<TaskRef>> = answers.into_iter().collect::<anyhow::Result<_>>()?;
     assert!(refs.iter().all(Option::is_some), "every task accepted at once, none refused: {refs:?}");
-    // Mid-burst: a few released, most queued.
-    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    // Mid-burst: the first 5 taken (their answers came), most queued — killed the moment the
+    // queue's first release is taken, its answer still a second away.
+    let until = Instant::now() + Duration::from_secs(20);
+    while fake.counts().tasks_accepted <= 5 && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     let before_kill = fake.counts();
     relay.0.kill()?;
     relay.0.wait()?;
@@ -142,7 +155,7 @@ async fn forty_at_once_against_five_threads_survive_a_sigkill_mid_burst() -> any
     }
     let kill_at = killed_at.duration_since(start).as_secs_f64();
     println!(
-        "relay-local, 40 at once (20 POST /tasks, 20 /in.php), 5 threads, 3 s solves, SIGKILL at 1.5 s, restart after 2 s:\n\
+        "relay-local, 40 at once (20 POST /tasks, 20 /in.php), 5 threads, 3 s solves, no pingbacks, in.php answering 1 s after the take, SIGKILL with answers in flight, restart after 2 s:\n\
          | accepted at once / refused | 40 / 0 |\n\
          | solved / left unsolved | {} / {} |\n\
          | stranded by the kill and sent again (once each) | {resent} |\n\
@@ -162,8 +175,11 @@ async fn forty_at_once_against_five_threads_survive_a_sigkill_mid_burst() -> any
         fake.peak_in_work(),
         solved_at.values().copied().fold(0.0, f64::max),
     );
-    // No paid result is left unfound: every task solved, each with an answer CaptchaAI gave it.
+    // No paid result is left unfound: every task solved, each with an answer CaptchaAI gave it —
+    // the stranded ones too, each sent again once.
     assert!(unsolved.is_empty(), "{} tasks not solved: {unsolved:?}", unsolved.len());
+    assert!(before_kill.tasks_accepted > 5, "a release taken, its answer in flight at the kill");
+    assert!(resent > 0, "no task was stranded by the kill: the resend was not exercised");
     assert_eq!(c.in_php, c.tasks_accepted + c.no_slot, "every call a task taken or an explicit refusal");
     assert!(fake.max_no_slot_per_minute() <= 60 && c.bans == 0, "no ban risked");
     assert!(fake.peak_in_work() <= 5);

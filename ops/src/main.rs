@@ -17,6 +17,7 @@
 //!   relay-ops webhooks rotate --owner <name>   a new signing secret, printed once; the old one
 //!                                              still signs until `webhooks retire`
 //!   relay-ops webhooks retire --owner <name>   stop signing with the previous secret
+//!   relay-ops erase (--key <name> | --owner <owner>)   delete one owner's tasks now (TABLE_NAME)
 //!
 //! The table comes from `--table-name` / `TABLE_NAME` (the stack's `TasksTableName` output).
 //! Queues come from `--poison-queue-url` / `POISON_QUEUE_URL` and `--dead-letter-queue-url` /
@@ -189,6 +190,15 @@ enum Cmd {
         #[command(subcommand)]
         cmd: WebhooksCmd,
     },
+    /// Erase one owner's tasks now (an erasure request): every task submitted with relay key
+    /// NAME (`--key`), or by OWNER (`--owner`: a `POST /tasks` caller's IAM identity, as the
+    /// relay records it). Prints how many were deleted. A scan of the table (TABLE_NAME).
+    Erase {
+        #[arg(long, conflicts_with = "owner")]
+        key: Option<String>,
+        #[arg(long)]
+        owner: Option<String>,
+    },
 }
 
 async fn deliveries(store: &relay_shared::store::TaskStore, cmd: DeliveriesCmd) -> anyhow::Result<()> {
@@ -321,6 +331,13 @@ async fn main() -> anyhow::Result<()> {
         Cmd::Keys { cmd } => return keys(&task_store(&aws, cli.table_name)?, cmd).await,
         Cmd::Deliveries { cmd } => return deliveries(&task_store(&aws, cli.table_name)?, cmd).await,
         Cmd::Webhooks { cmd } => return webhooks(&task_store(&aws, cli.table_name)?, cmd).await,
+        Cmd::Erase { key, owner } => {
+            let owner = relay_shared::store::retention::erasure_owner(key.as_deref(), owner.as_deref())
+                .map_err(anyhow::Error::msg)?;
+            let removed = task_store(&aws, cli.table_name)?.erase_owner(&owner).await?;
+            println!("erased {} task(s) of `{owner}` ({} items read)", removed.deleted, removed.scanned);
+            return Ok(());
+        }
         Cmd::Queue => {
             let now = relay_shared::time::Clock::now(&relay_shared::time::SystemClock);
             print!("{}", relay_ops::queue::report(&task_store(&aws, cli.table_name)?, now).await?);
@@ -342,12 +359,18 @@ async fn main() -> anyhow::Result<()> {
             eprintln!("breaker closed: CaptchaAI traffic resumes with the next poller pass");
         }
         let b = store.breaker().await?;
-        match b.open_at(now) {
+        match b.open_at(now).or(b.open_for_submits_at(now)) {
             Some(until) => println!(
                 "OPEN until {until} ({} s left) because {}{}",
                 until.since(now).as_secs(),
                 b.reason.as_deref().unwrap_or("?"),
-                if b.needs_operator { "; fix the key, then `relay-ops breaker close`" } else { "" }
+                if b.plan_out() {
+                    "; submits only (results still read): renew the plan, then `relay-ops breaker close`"
+                } else if b.needs_operator {
+                    "; fix the key, then `relay-ops breaker close`"
+                } else {
+                    ""
+                }
             ),
             None => println!("closed (last opened: {})", b.reason.as_deref().unwrap_or("never")),
         }
@@ -369,6 +392,7 @@ async fn main() -> anyhow::Result<()> {
         | Cmd::Keys { .. }
         | Cmd::Deliveries { .. }
         | Cmd::Webhooks { .. }
+        | Cmd::Erase { .. }
         | Cmd::Queue
         | Cmd::Shards { .. } => {}
         Cmd::List { max, reveal } => {

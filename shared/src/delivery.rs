@@ -919,7 +919,8 @@ pub mod operator {
     ) -> Result<Vec<Parked>, StoreError> {
         let mut rows = Vec::new();
         for p in store.parked_deliveries(from, to, max).await? {
-            let Some(task) = store.get(&p.task_ref).await? else { continue };
+            // `to` is the listing's now: a task past its retention is not shown.
+            let Some(task) = store.get_retained(&p.task_ref, to).await? else { continue };
             let Some(d) = task.delivery.as_ref().filter(|d| d.status == DeliveryStatus::Parked) else { continue };
             let host = task
                 .owner_callback
@@ -958,6 +959,10 @@ pub mod operator {
                     continue;
                 }
             };
+            if store.get_retained(&task_ref, now).await?.is_none() {
+                out.skipped.push((raw.clone(), "no such task (or its retention has ended)".into()));
+                continue;
+            }
             if store.replay_delivery(&task_ref, now).await? {
                 out.replayed.push(task_ref.to_string());
             } else {

@@ -557,6 +557,9 @@ pub struct Task {
     /// lost in a crash) and its result overdue ([`CaptchaKind::resend_after`]). Either
     /// submission's result is then its result: the first to arrive wins.
     pub resent_at: Option<Timestamp>,
+    /// Who submitted it: the caller of `POST /tasks` (its IAM identity or `api-key`), or
+    /// `key:<name>` for a relay key — what an erasure request names (`relay-ops erase`).
+    pub owner: Option<String>,
 }
 
 /// How a task submitted through `in.php` with a `pingback` gets its result pushed there: as
@@ -696,6 +699,7 @@ impl Task {
             released_at: None,
             pingback_form: PingbackForm::Get,
             resent_at: None,
+            owner: None,
         }
     }
 

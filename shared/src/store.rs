@@ -69,6 +69,7 @@ pub mod deliveries;
 pub mod hosts;
 pub mod queue;
 pub mod relay_keys;
+pub mod retention;
 pub use deliveries::{DELIVERY_INDEX, DeliveryFinish, DueDelivery};
 pub use hosts::{HostRecord, SlotWrite};
 pub use queue::{Permit, Publish, QUEUE_INDEX, QueuedRef, Released, Reserved, SubmitState};
@@ -109,6 +110,8 @@ mod attr {
     pub const PINGBACK_FORM: &str = "pingback_form";
     /// When the task was sent to in.php a second time (see `Task::resent_at`).
     pub const RESENT_AT: &str = "resent_at";
+    /// Who submitted the task (see `Task::owner`): what an erasure names.
+    pub const OWNER: &str = "owner";
     // The submit queue (see `queue`).
     pub const QUEUED_AT: &str = "queued_at";
     pub const Q_LANE: &str = "q_lane";
@@ -475,6 +478,7 @@ impl TryFrom<&Item> for Task {
             delivery,
             released_at: get_ts(item, RELEASED_AT)?,
             resent_at: get_ts(item, RESENT_AT)?,
+            owner: get_s(item, OWNER)?.map(str::to_owned),
             pingback_form: get_s(item, PINGBACK_FORM)?
                 .map(crate::domain::PingbackForm::parse)
                 .transpose()
@@ -695,6 +699,9 @@ impl TaskStore {
             item.insert(POLL_DUE_AT.to_owned(), n(deadline.as_millis()));
         }
         item.extend(extra);
+        if let Some(owner) = &task.owner {
+            item.insert(OWNER.to_owned(), s(owner));
+        }
         if let Some(fp) = fingerprint {
             item.insert(IDEM_FINGERPRINT.to_owned(), s(fp));
         }

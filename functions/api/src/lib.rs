@@ -392,7 +392,7 @@ pub(crate) async fn submit_task(req: &Request, deps: &Deps, input: SubmitInput) 
             if let Some(open) = state.as_ref().and_then(|st| key_rejected(st, now)) {
                 return open;
             }
-            let task = Task { owner_callback, webhook_owner, pingback_form, ..Task::queued(task_ref, kind, now, lane) };
+            let task = Task { owner_callback, webhook_owner, pingback_form, owner: Some(owner.clone()), ..Task::queued(task_ref, kind, now, lane) };
             return enqueue(deps, task, &submit, &pingback, fp, &fingerprint, state).await;
         }
         // Paced account-wide, so a burst of submits never earns MAX_USER_TURN; over the pace,
@@ -401,7 +401,7 @@ pub(crate) async fn submit_task(req: &Request, deps: &Deps, input: SubmitInput) 
             Ok(true) => {}
             Ok(false) => {
                 give_back_permit(deps).await;
-                let task = Task { owner_callback, webhook_owner, pingback_form, ..Task::queued(task_ref, kind, now, lane) };
+                let task = Task { owner_callback, webhook_owner, pingback_form, owner: Some(owner.clone()), ..Task::queued(task_ref, kind, now, lane) };
                 return enqueue(deps, task, &submit, &pingback, fp, &fingerprint, None).await;
             }
             Err(e) => {
@@ -409,7 +409,7 @@ pub(crate) async fn submit_task(req: &Request, deps: &Deps, input: SubmitInput) 
                 return Submitted::Store(e);
             }
         }
-        let task = Task { owner_callback, webhook_owner, pingback_form, ..Task::new(task_ref.clone(), kind, now) };
+        let task = Task { owner_callback, webhook_owner, pingback_form, owner: Some(owner.clone()), ..Task::new(task_ref.clone(), kind, now) };
         // Recorded before in.php hears of it, with what a second in.php needs: if in.php's
         // answer is never stored, the poller looks at the task at this deadline (and sends it
         // again, once, or expires it).
@@ -694,7 +694,8 @@ fn callback_base(req: &Request, deps: &Deps) -> Option<String> {
 
 async fn get_task(raw: &str, deps: &Deps) -> Result<Response<Body>, Response<Body>> {
     let task_ref = TaskRef::parse(raw).map_err(|e| problem(404, "unknown_task", format!("no such task: {e}")))?;
-    match deps.store.get(&task_ref).await {
+    // Past its retention a task is unknown, whether or not the table still holds it.
+    match deps.store.get_retained(&task_ref, deps.clock.now()).await {
         Ok(Some(task)) => {
             let now = deps.clock.now();
             let task = pinned(task, deps).await?;

@@ -262,6 +262,8 @@ struct Lane {
 const PLAN_READ_TIMEOUT: Duration = Duration::from_secs(5);
 /// `threadsinfo` asked after an `ERROR_ZERO_BALANCE` at most this often.
 const PLAN_CHECK_EVERY: Duration = Duration::from_secs(10);
+/// `threadsinfo` asked at most this often to correct the count of tasks in work.
+const WORKING_READ_EVERY: Duration = Duration::from_secs(5);
 /// How long submits stop once the plan is found run out; the next submit after it asks again.
 pub const PLAN_OUT_PAUSE: Duration = Duration::from_secs(300);
 
@@ -289,6 +291,8 @@ pub async fn run(
     let mut r = Run {
         plan_out_seen: 0,
         plan_checked_at: None,
+        working: None,
+        sent_since_plan_read: 0,
         deps,
         clock: clock.clone(),
         window: Window::restore(s.queue.window.clone(), saved.as_ref()),
@@ -352,6 +356,11 @@ pub async fn run(
         } else {
             in_flight
         };
+        // What the table counts in work includes tasks whose pingback was lost (they look busy
+        // until the poller reads them): with the plan known and the window full, CaptchaAI's
+        // own count corrects it.
+        let counted =
+            if state.breaker.open_at(now).is_none() { r.corrected(counted, now, &mut report).await } else { counted };
         if counted < in_flight {
             // A task finished (its result recorded): progress, for the window's stall rule.
             r.window.finished(now);
@@ -518,6 +527,10 @@ struct Run<'a> {
     plan_out_seen: u32,
     /// When `threadsinfo` was last asked after such an answer.
     plan_checked_at: Option<Timestamp>,
+    /// The plan's `working_threads` as last read while the window was full, and when.
+    working: Option<(Timestamp, u32)>,
+    /// Sends made since that read (they may be at work on top of what it counted).
+    sent_since_plan_read: u32,
     lanes: HashMap<String, Lane>,
     fair: Fair,
     /// Tasks this run released: when (counted in work for `index_lag`, whatever the index says).
@@ -849,6 +862,7 @@ impl Run<'_> {
             *in_flight += 1;
             report.max_in_flight = report.max_in_flight.max(*in_flight);
             let (client, busy) = (self.deps.captchaai.clone(), self.clock.busy());
+            self.sent_since_plan_read += 1;
             calls.spawn(async move {
                 let _busy = busy;
                 let answer = client.submit(&released.request, &released.pingback).await;
@@ -985,6 +999,31 @@ impl Run<'_> {
                 None
             }
         }
+    }
+
+    /// The tasks in work, `counted` from the table, corrected by CaptchaAI's own count when the
+    /// plan is known and the window is full: a task whose pingback was lost looks busy in the
+    /// table until the poller reads it (a minute for reCAPTCHA), while CaptchaAI's thread is
+    /// long free. `threadsinfo` is asked at most every [`WORKING_READ_EVERY`]; the sends made
+    /// since count on top of what it said.
+    async fn corrected(&mut self, counted: u32, now: Timestamp, report: &mut RunReport) -> u32 {
+        if self.deps.settings.queue.upstream != Upstream::CaptchaAi
+            || self.window.plan().is_none()
+            || !matches!(self.window.gate(counted, now), Gate::Full)
+        {
+            return counted;
+        }
+        if self.working.is_none_or(|(at, _)| now.since(at) >= WORKING_READ_EVERY) {
+            if let Some(info) = self.read_plan(report).await {
+                self.working = Some((self.clock.now(), info.working_threads));
+                self.sent_since_plan_read = 0;
+            } else {
+                // Not readable now: the table's count stands, and it is not asked again at once.
+                self.working = Some((now, u32::MAX));
+            }
+        }
+        let working = self.working.map_or(u32::MAX, |(_, w)| w);
+        counted.min(working.saturating_add(self.sent_since_plan_read))
     }
 
     /// CaptchaAI answered `ERROR_ZERO_BALANCE`: "no free thread" — or, with threads free, a plan

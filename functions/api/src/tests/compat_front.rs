@@ -408,3 +408,30 @@ async fn in_php_never_pays_twice_an_unknown_outcome_answers_the_id_and_a_ban_is_
     }
     Ok(())
 }
+
+/// Runs on the embedded engine, and against moto's DynamoDB in the test command's second-engine
+/// pass: moto keeps an item past its TTL, as DynamoDB does until its background deletion — the
+/// read must refuse it all the same.
+#[tokio::test(flavor = "multi_thread")]
+async fn retention_a_task_past_it_is_unknown_to_get_res_php_and_reports_though_the_table_holds_it() -> anyhow::Result<()>
+{
+    let w = world(FakeConfig::default()).await?;
+    let k = COMPAT_KEY;
+    let id = ok_id(
+        &w.call(form("/in.php", &format!("key={k}&method=turnstile&sitekey=s&pageurl=https://a.example/"))).await,
+    );
+    w.solve(&id, "tok-kept-7-days").await;
+    let r = TaskRef::from_compat_id(&id)?;
+    assert_eq!(text(&w.res(&format!("action=get&id={id}")).await), "OK|tok-kept-7-days");
+    // 8 days on (RETENTION_DAYS is 7): the item is still in the table, no read hands it out.
+    w.clock.advance(Duration::from_secs(8 * 86_400));
+    assert!(w.deps.store.get(&r).await?.is_some(), "the table still holds it");
+    assert_eq!(text(&w.res(&format!("action=get&id={id}")).await), "ERROR_WRONG_CAPTCHA_ID");
+    assert_eq!(text(&w.res(&format!("action=get&ids={id}")).await), "ERROR_WRONG_CAPTCHA_ID");
+    assert_eq!(text(&w.res(&format!("action=reportbad&id={id}")).await), "ERROR_WRONG_CAPTCHA_ID");
+    let get = w
+        .call(ApiGatewayEvent::new("GET", &format!("/tasks/{r}")).header("authorization", &format!("Bearer {KEY}")))
+        .await;
+    assert_eq!(get.status(), 404, "{}", text(&get));
+    Ok(())
+}
