@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use fake_captchaai::{AfterAccept, FakeConfig};
 use relay_shared::domain::CaptchaKind;
+use relay_shared::time::Clock;
 use relay_sim::{EPOCH, Options, World, body_for};
 
 const TURNSTILE: CaptchaKind = CaptchaKind::Turnstile;
@@ -206,5 +207,65 @@ async fn an_id_that_cannot_be_stored_is_dead_lettered_redriven_and_the_poller_re
     ));
     assert_eq!(calls, 1);
     println!("id not storable: in.php calls 1, id dead-lettered, redriven, read by the poller: solved");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_method_refused_for_now_again_and_again_fails_after_five_refusals_not_for_ever() -> anyhow::Result<()> {
+    // ERROR_SERVER_ERROR to every submit: what CaptchaAI answers a method it does not solve.
+    let w = World::start_with(
+        FakeConfig { submit_errors: vec!["ERROR_SERVER_ERROR".into(); 50], ..FakeConfig::captchaai_like() },
+        opts(),
+    )
+    .await?;
+    w.schedule_poller(EPOCH);
+    let (status, v, _) = w.post_task(body_for(TURNSTILE), Some("order-refused")).await?;
+    assert_eq!((status, v["status"].as_str()), (202, Some("queued")), "refused for now: queued, {v}");
+    w.run_for(Duration::from_secs(300)).await;
+    let t = w.get_task(v["task_ref"].as_str().unwrap_or_default()).await?;
+    assert_eq!((t["status"].as_str(), t["error_code"].as_str()), (Some("failed"), Some("ERROR_SERVER_ERROR")), "{t}");
+    let calls = w.fake.counts().in_php;
+    // The inline try, then the queue's: failed at the fifth refusal of its own.
+    assert_eq!((calls, w.fake.counts().tasks_accepted), (6, 0), "{t}");
+    println!("ERROR_SERVER_ERROR to every submit: {calls} in.php calls, then failed with it (not retried for ever)");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plan_run_out_stops_submits_with_captchaais_code_until_it_is_renewed() -> anyhow::Result<()> {
+    // The plan has expired: every submit is answered ERROR_ZERO_BALANCE while threadsinfo shows
+    // every thread free (how CaptchaAI's own SDK tells it from a busy plan).
+    let w = World::start_with(FakeConfig { plan_expired: true, ..FakeConfig::captchaai_like() }, opts()).await?;
+    w.schedule_poller(EPOCH);
+    let mut queued = Vec::new();
+    for i in 0..3 {
+        let (status, v, _) = w.post_task(body_for(TURNSTILE), Some(&format!("order-plan-{i}"))).await?;
+        assert_eq!((status, v["status"].as_str()), (202, Some("queued")), "{v}");
+        queued.push(v["task_ref"].as_str().unwrap_or_default().to_owned());
+    }
+    w.run_for(Duration::from_secs(60)).await;
+    let b = w.store.breaker().await?;
+    assert!(b.plan_out() && b.open_for_submits_at(w.clock.now()).is_some(), "submits stopped: {b:?}");
+    assert!(b.open_at(w.clock.now()).is_none(), "reads go on: results of tasks taken still come");
+    let calls = w.fake.counts().in_php;
+    assert!(calls <= 6, "found out within a few calls, not by hammering: {calls}");
+    // New submits are told why, in CaptchaAI's own code, and nothing is recorded.
+    let (_, text) = w.post_in_php("method=turnstile&sitekey=0x4AAA&pageurl=https://shop.example/login").await?;
+    assert_eq!(text, "ERROR_ZERO_BALANCE", "in.php");
+    let (status, v, _) = w.post_task(body_for(TURNSTILE), None).await?;
+    assert_eq!((status, v["error"]["code"].as_str()), (503, Some("captchaai_unavailable")), "{v}");
+    assert!(v["error"]["message"].as_str().is_some_and(|m| m.contains("expired or is out of balance")), "{v}");
+    assert_eq!(w.fake.counts().in_php, calls, "no call while the plan is out");
+    // The plan is renewed and the operator closes the breaker: the queued tasks go and are solved.
+    w.fake.configure(|c| c.plan_expired = false);
+    w.store.close_breaker().await?;
+    w.run_for(Duration::from_secs(120)).await;
+    for r in &queued {
+        let t = w.store.get(&relay_shared::domain::TaskRef::parse(r)?).await?.expect("stored");
+        assert!(matches!(t.state, relay_shared::domain::TaskState::Solved { .. }), "{r}: {:?}", t.state);
+    }
+    println!(
+        "plan run out: found after {calls} in.php calls; submits refused with ERROR_ZERO_BALANCE; 3 of 3 queued solved after renewal"
+    );
     Ok(())
 }
