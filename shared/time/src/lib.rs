@@ -179,6 +179,15 @@ impl Future for Parked {
         }
         let sim = self.sim.clone();
         let mut st = sim.lock();
+        // Looked at again under the lock: a child's end fires this entry (and removes it) under
+        // the lock, and may have done so between the look above and this one. Registered again
+        // after that, the entry would stay among the sleeps for good — one sleep too many, and
+        // the clock would move while an actor is still at work.
+        if self.fired.load(Ordering::SeqCst) {
+            drop(st);
+            self.key = None;
+            return Poll::Ready(());
+        }
         let key = match self.key {
             Some(k) => k,
             None => {
@@ -205,9 +214,8 @@ impl Drop for Parked {
             if st.parked.get(&self.waiter) == Some(&k) {
                 st.parked.remove(&self.waiter);
             }
-            if !self.fired.load(Ordering::SeqCst) {
-                st.waiters.remove(&k);
-            }
+            // Gone already if it fired; its key is its own, so removing it again is harmless.
+            st.waiters.remove(&k);
             drop(st);
             self.sim.changed.notify_waiters();
         }
