@@ -1442,6 +1442,11 @@ impl TaskStore {
 
     /// Reads a task (strongly consistent).
     pub async fn get(&self, task_ref: &TaskRef) -> Result<Option<Task>, StoreError> {
+        self.get_item(task_ref).await?.as_ref().map(Task::try_from).transpose()
+    }
+
+    /// A task's item as stored (strongly consistent).
+    async fn get_item(&self, task_ref: &TaskRef) -> Result<Option<Item>, StoreError> {
         let out = self
             .client
             .get_item()
@@ -1451,7 +1456,7 @@ impl TaskStore {
             .send()
             .await
             .map_err(sdk_error)?;
-        out.item.as_ref().map(Task::try_from).transpose()
+        Ok(out.item)
     }
 
     /// Opens the connection to DynamoDB at cold start, so the first request finds it pooled

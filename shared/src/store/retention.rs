@@ -49,16 +49,7 @@ impl TaskStore {
     /// has ended (`expires_ttl`: `RETENTION_DAYS` after it was created, or after its result),
     /// even while the table still holds it.
     pub async fn get_retained(&self, task_ref: &TaskRef, now: Timestamp) -> Result<Option<Task>, StoreError> {
-        let out = self
-            .client
-            .get_item()
-            .table_name(&self.table)
-            .key(attr::PK, s(task_ref.as_ref()))
-            .consistent_read(true)
-            .send()
-            .await
-            .map_err(sdk_error)?;
-        let Some(item) = out.item else { return Ok(None) };
+        let Some(item) = self.get_item(task_ref).await? else { return Ok(None) };
         if retention_ended(&item, now)? {
             return Ok(None);
         }
