@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use secrecy::SecretString;
 
-use crate::domain::CaptchaKind;
+use crate::domain::{CaptchaKind, TaskRef};
 use crate::secrets::SecretSource;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -99,13 +99,57 @@ fn check_url(name: &str, v: &str) -> Result<(), ConfigError> {
     }
 }
 
+/// The due-for-poll and due-for-delivery indexes are spread over this many partitions by
+/// default (`poll_shard` / `dlv_shard` 0..N), so no index key runs hot: each task writes an
+/// index key about three times, so 8 keys take ~2,600 new tasks/s before one reaches
+/// DynamoDB's 1,000 writes/s per partition key (docs/capacity.md). `POLL_SHARDS` sets it.
+pub const DEFAULT_POLL_SHARDS: u8 = 8;
+/// The most shards a deployment may use (the readers query every one of them).
+pub const MAX_POLL_SHARDS: u8 = 64;
+
+/// How the sparse indexes are spread. Writers put a task in shard `ref mod write`; readers
+/// cover `0..max(write, previous)`. Lowering the count is therefore safe in two steps: deploy
+/// the new count with `previous` = the old one (new tasks go to the new shards; entries
+/// written under the old count stay where they are, still read, until their task ends — a
+/// parked push until it is replayed or expires), then, once no entry is left at or above the
+/// new count (`relay-ops shards`), set `previous` back to 0. Raising the count needs no second
+/// step: the readers cover every shard the writers use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shards {
+    pub write: u8,
+    pub previous: u8,
+}
+
+impl Default for Shards {
+    fn default() -> Self {
+        Self { write: DEFAULT_POLL_SHARDS, previous: 0 }
+    }
+}
+
+impl Shards {
+    /// The shard `task_ref` is written to.
+    pub fn of(&self, task_ref: &TaskRef) -> u8 {
+        task_ref.shard(self.write)
+    }
+
+    /// How many shards a reader covers (`0..read()`).
+    pub fn read(&self) -> u8 {
+        self.write.max(self.previous).max(1)
+    }
+}
+
+/// The most count items the queue's counts spread over (`QUEUE_SHARDS`).
+pub const MAX_QUEUE_SHARDS: u8 = 32;
+/// `QUEUE_SHARDS` unset: 4 count items, ~4,000 admissions a second (docs/capacity.md).
+pub const DEFAULT_QUEUE_SHARDS: u8 = 4;
+
 /// Where tasks are stored and for how long.
 #[derive(Debug, Clone)]
 pub struct StoreConfig {
     pub table: String,
     pub retention: Duration,
     /// How the sparse indexes are spread (`POLL_SHARDS`, `POLL_SHARDS_PREVIOUS`).
-    pub shards: crate::store::Shards,
+    pub shards: Shards,
     /// How many items the submit queue's counts spread over (`QUEUE_SHARDS`).
     pub queue_shards: u8,
 }
@@ -116,8 +160,8 @@ impl StoreConfig {
         if days == 0 {
             return Err(ConfigError::Invalid { name: "RETENTION_DAYS".into(), reason: "must be at least 1".into() });
         }
-        let max = crate::store::MAX_POLL_SHARDS;
-        let write: u8 = s.parse_or("POLL_SHARDS", crate::store::DEFAULT_POLL_SHARDS)?;
+        let max = MAX_POLL_SHARDS;
+        let write: u8 = s.parse_or("POLL_SHARDS", DEFAULT_POLL_SHARDS)?;
         if !(1..=max).contains(&write) {
             return Err(ConfigError::Invalid { name: "POLL_SHARDS".into(), reason: format!("must be 1 to {max}") });
         }
@@ -128,15 +172,15 @@ impl StoreConfig {
                 reason: format!("must be 0 (no change under way) to {max}"),
             });
         }
-        let qmax = crate::store::queue::MAX_QUEUE_SHARDS;
-        let queue_shards: u8 = s.parse_or("QUEUE_SHARDS", crate::store::queue::DEFAULT_QUEUE_SHARDS)?;
+        let qmax = MAX_QUEUE_SHARDS;
+        let queue_shards: u8 = s.parse_or("QUEUE_SHARDS", DEFAULT_QUEUE_SHARDS)?;
         if !(1..=qmax).contains(&queue_shards) {
             return Err(ConfigError::Invalid { name: "QUEUE_SHARDS".into(), reason: format!("must be 1 to {qmax}") });
         }
         Ok(Self {
             table: s.required("TABLE_NAME")?,
             retention: Duration::from_secs(days * 86_400),
-            shards: crate::store::Shards { write, previous },
+            shards: Shards { write, previous },
             queue_shards,
         })
     }
