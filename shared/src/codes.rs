@@ -1,8 +1,15 @@
-//! CaptchaAI's answer codes and what each one means for us.
+//! CaptchaAI's answer codes and what each one means for us, and the parse error every value
+//! from outside (a code here, an id or a kind in [`crate::domain`]) is refused with.
 
 use std::fmt;
 
-use crate::domain::ParseError;
+/// Why a value from outside could not be parsed. The message is safe to show a caller.
+///
+/// Defined here, below the domain (which builds on [`ErrorCode`]), so the dependency runs one
+/// way: `domain` uses `codes`, never the reverse. Also `crate::domain::ParseError`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ParseError(pub String);
 
 /// A code CaptchaAI answers with instead of a result, e.g. `ERROR_CAPTCHA_UNSOLVABLE`.
 #[derive(Clone, PartialEq, Eq, Hash)]
