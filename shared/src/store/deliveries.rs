@@ -273,27 +273,23 @@ impl TaskStore {
     ) -> Result<Vec<DueDelivery>, StoreError> {
         let mut found = Vec::new();
         for shard in 0..self.shards.read() {
-            let mut start: Option<PageKey> = None;
-            loop {
-                let out = self
-                    .client
-                    .query()
-                    .table_name(&self.table)
-                    .index_name(DELIVERY_INDEX)
-                    .key_condition_expression("dlv_shard = :shard AND dlv_due BETWEEN :from AND :to")
-                    .expression_attribute_values(":shard", n(u64::from(shard)))
-                    .expression_attribute_values(":from", n(PARKED_BASE + from.as_millis()))
-                    .expression_attribute_values(":to", n(PARKED_BASE + to.as_millis()))
-                    .set_exclusive_start_key(start)
-                    .send()
-                    .await
-                    .map_err(sdk_error)?;
-                for item in out.items() {
+            let mut pages = self
+                .client
+                .query()
+                .table_name(&self.table)
+                .index_name(DELIVERY_INDEX)
+                .key_condition_expression("dlv_shard = :shard AND dlv_due BETWEEN :from AND :to")
+                .expression_attribute_values(":shard", n(u64::from(shard)))
+                .expression_attribute_values(":from", n(PARKED_BASE + from.as_millis()))
+                .expression_attribute_values(":to", n(PARKED_BASE + to.as_millis()))
+                .into_paginator()
+                .send();
+            while let Some(page) = pages.next().await {
+                for item in page.map_err(sdk_error)?.items() {
                     let d = due_of(item)?;
                     found.push(DueDelivery { due_at: Timestamp::from_millis(d.due_at.as_millis() - PARKED_BASE), ..d });
                 }
-                start = out.last_evaluated_key.filter(|k| !k.is_empty());
-                if start.is_none() || found.len() >= limit.saturating_mul(4) {
+                if found.len() >= limit.saturating_mul(4) {
                     break;
                 }
             }

@@ -215,27 +215,21 @@ impl TaskStore {
     pub async fn shard_entries(&self, upto: u8) -> Result<Vec<(u8, u64, u64)>, StoreError> {
         let count = |index: &'static str, key: &'static str, shard: u8| async move {
             let mut total = 0u64;
-            let mut start: Option<PageKey> = None;
-            loop {
-                let out = self
-                    .client
-                    .query()
-                    .table_name(&self.table)
-                    .index_name(index)
-                    .key_condition_expression("#k = :shard")
-                    .expression_attribute_names("#k", key)
-                    .expression_attribute_values(":shard", n(u64::from(shard)))
-                    .select(aws_sdk_dynamodb::types::Select::Count)
-                    .set_exclusive_start_key(start)
-                    .send()
-                    .await
-                    .map_err(sdk_error)?;
-                total += u64::try_from(out.count).unwrap_or(0);
-                match out.last_evaluated_key.filter(|k| !k.is_empty()) {
-                    Some(k) => start = Some(k),
-                    None => return Ok::<_, StoreError>(total),
-                }
+            let mut pages = self
+                .client
+                .query()
+                .table_name(&self.table)
+                .index_name(index)
+                .key_condition_expression("#k = :shard")
+                .expression_attribute_names("#k", key)
+                .expression_attribute_values(":shard", n(u64::from(shard)))
+                .select(aws_sdk_dynamodb::types::Select::Count)
+                .into_paginator()
+                .send();
+            while let Some(page) = pages.next().await {
+                total += u64::try_from(page.map_err(sdk_error)?.count).unwrap_or(0);
             }
+            Ok::<_, StoreError>(total)
         };
         let mut out = Vec::new();
         for shard in 0..upto {

@@ -207,20 +207,17 @@ impl TaskStore {
     /// request path.
     pub async fn list_relay_keys(&self) -> Result<Vec<KeyInfo>, StoreError> {
         let mut out = Vec::new();
-        let mut start = None;
-        loop {
-            let page = self
-                .client
-                .scan()
-                .table_name(&self.table)
-                .filter_expression("begins_with(pk, :p)")
-                .expression_attribute_values(":p", s(PREFIX))
-                .set_exclusive_start_key(start)
-                .consistent_read(true)
-                .send()
-                .await
-                .map_err(sdk_error)?;
-            for item in page.items() {
+        let mut pages = self
+            .client
+            .scan()
+            .table_name(&self.table)
+            .filter_expression("begins_with(pk, :p)")
+            .expression_attribute_values(":p", s(PREFIX))
+            .consistent_read(true)
+            .into_paginator()
+            .send();
+        while let Some(page) = pages.next().await {
+            for item in page.map_err(sdk_error)?.items() {
                 let pk = get_s(item, super::attr::PK)?.unwrap_or_default();
                 out.push(KeyInfo {
                     name: get_s(item, "key_name")?.unwrap_or("unnamed").to_owned(),
@@ -229,10 +226,6 @@ impl TaskStore {
                     revoked_at: get_ts(item, "revoked_at")?,
                     pingback: pingback_of(item)?,
                 });
-            }
-            start = page.last_evaluated_key;
-            if start.is_none() {
-                break;
             }
         }
         out.sort_by_key(|k| k.created_at);

@@ -91,21 +91,19 @@ impl TaskStore {
         // `owner` is one of DynamoDB's reserved words: every name goes through a placeholder.
         let filter = format!("#a {op} :v");
         let mut removed = Removed::default();
-        let mut start = None;
-        loop {
-            let page = self
-                .client
-                .scan()
-                .table_name(&self.table)
-                .filter_expression(&filter)
-                .projection_expression("#pk")
-                .expression_attribute_names("#pk", attr::PK)
-                .expression_attribute_names("#a", name)
-                .expression_attribute_values(":v", value.clone())
-                .set_exclusive_start_key(start)
-                .send()
-                .await
-                .map_err(sdk_error)?;
+        let mut pages = self
+            .client
+            .scan()
+            .table_name(&self.table)
+            .filter_expression(&filter)
+            .projection_expression("#pk")
+            .expression_attribute_names("#pk", attr::PK)
+            .expression_attribute_names("#a", name)
+            .expression_attribute_values(":v", value.clone())
+            .into_paginator()
+            .send();
+        while let Some(page) = pages.next().await {
+            let page = page.map_err(sdk_error)?;
             removed.scanned += usize::try_from(page.scanned_count()).unwrap_or(0);
             for item in page.items() {
                 if removed.deleted >= max {
@@ -130,11 +128,8 @@ impl TaskStore {
                     Err(e) => return Err(sdk_error(e)),
                 }
             }
-            start = page.last_evaluated_key;
-            if start.is_none() {
-                return Ok(removed);
-            }
         }
+        Ok(removed)
     }
 }
 

@@ -105,29 +105,23 @@ impl TaskStore {
     /// a lowered `QUEUE_SHARDS` no longer reads).
     pub async fn queued_lanes(&self) -> Result<BTreeMap<(String, u8), u64>, StoreError> {
         let mut lanes = BTreeMap::new();
-        let mut start = None;
-        loop {
-            let out = self
-                .client
-                .scan()
-                .table_name(&self.table)
-                .index_name(QUEUE_INDEX)
-                .filter_expression("begins_with(sq_key, :q)")
-                .expression_attribute_values(":q", s("q#"))
-                .set_exclusive_start_key(start)
-                .send()
-                .await
-                .map_err(sdk_error)?;
-            for item in out.items() {
+        let mut pages = self
+            .client
+            .scan()
+            .table_name(&self.table)
+            .index_name(QUEUE_INDEX)
+            .filter_expression("begins_with(sq_key, :q)")
+            .expression_attribute_values(":q", s("q#"))
+            .into_paginator()
+            .send();
+        while let Some(page) = pages.next().await {
+            for item in page.map_err(sdk_error)?.items() {
                 if let Some((lane, shard)) = get_s(item, "sq_key")?.and_then(lane_of_key) {
                     *lanes.entry((lane.to_owned(), shard)).or_insert(0) += 1;
                 }
             }
-            match out.last_evaluated_key.filter(|k| !k.is_empty()) {
-                Some(k) => start = Some(k),
-                None => return Ok(lanes),
-            }
         }
+        Ok(lanes)
     }
 
     /// Moves the tasks queued under `lane`'s index key of `shard` — one a lowered

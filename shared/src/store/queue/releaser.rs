@@ -10,28 +10,22 @@ impl TaskStore {
     pub async fn in_work(&self, now: Timestamp) -> Result<Vec<TaskRef>, StoreError> {
         let queries = (0..self.shards.read()).map(|shard| async move {
             let mut refs = Vec::new();
-            let mut start = None;
-            loop {
-                let out = self
-                    .client
-                    .query()
-                    .table_name(&self.table)
-                    .index_name(QUEUE_INDEX)
-                    .key_condition_expression("sq_key = :k AND sq_at > :now")
-                    .expression_attribute_values(":k", s(&format!("w#{shard}")))
-                    .expression_attribute_values(":now", n(now.as_millis()))
-                    .set_exclusive_start_key(start)
-                    .send()
-                    .await
-                    .map_err(sdk_error)?;
-                for i in out.items() {
+            let mut pages = self
+                .client
+                .query()
+                .table_name(&self.table)
+                .index_name(QUEUE_INDEX)
+                .key_condition_expression("sq_key = :k AND sq_at > :now")
+                .expression_attribute_values(":k", s(&format!("w#{shard}")))
+                .expression_attribute_values(":now", n(now.as_millis()))
+                .into_paginator()
+                .send();
+            while let Some(page) = pages.next().await {
+                for i in page.map_err(sdk_error)?.items() {
                     refs.push(TaskRef::parse(super::req_s(i, attr::PK)?).map_err(super::corrupt(attr::PK))?);
                 }
-                match out.last_evaluated_key.filter(|k| !k.is_empty()) {
-                    Some(k) => start = Some(k),
-                    None => return Ok::<_, StoreError>(refs),
-                }
             }
+            Ok::<_, StoreError>(refs)
         });
         let mut all = Vec::new();
         for part in futures_util::future::join_all(queries).await {
