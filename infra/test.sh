@@ -65,6 +65,6 @@ step "template lint (cfn-lint, the project's own template checks, sam validate -
 .venv/bin/python infra/check_template.py
 .venv/bin/sam validate --lint --region us-east-1
 
-# Not here: `infra/sam-build.sh` (the arm64 release build of all six functions, as a deploy
+# Not here: `infra/sam-build.sh` (the arm64 release build of every function, as a deploy
 # makes it) takes longer than every test together on 2 cores; it is its own documented command.
 step "all tests and checks passed"
