@@ -2,6 +2,7 @@
 //! `lambda_http::Request` API Gateway would deliver and hands it to the same handler functions
 //! the Lambdas run. Routes are API Gateway's: `/tasks`, `/tasks/{ref}`, `/callback/{ref}/{sig}`.
 
+pub mod data_dir;
 pub mod demo;
 pub mod ops;
 pub mod queue;

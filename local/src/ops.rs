@@ -98,7 +98,7 @@ pub async fn open_store(dir: &Path) -> anyhow::Result<OperatorStore> {
         bail!("no relay has run on {} (no tasks.sqlite there; is RELAY_DATA_DIR right?)", dir.display());
     }
     let Some(lock) = DataLock::try_take(dir)? else {
-        let store = crate::run::running_store(dir).await?;
+        let store = crate::data_dir::running_store(dir).await?;
         return Ok(OperatorStore { store, relay_running: true, _db: None, _lock: None });
     };
     let db = LocalDynamo::start_at(&file).await.with_context(|| format!("cannot open {}", file.display()))?;
@@ -111,7 +111,7 @@ pub async fn open_store(dir: &Path) -> anyhow::Result<OperatorStore> {
         .map_err(|e| anyhow::anyhow!(relay_shared::telemetry::error_chain(&e)))
         .with_context(|| format!("{} holds no task table", file.display()))?;
     Ok(OperatorStore {
-        store: TaskStore::new(client, "tasks", crate::run::RETENTION),
+        store: TaskStore::new(client, "tasks", crate::data_dir::RETENTION),
         relay_running: false,
         _db: Some(db),
         _lock: Some(lock),
@@ -131,7 +131,7 @@ pub fn open_queue(dir: &Path) -> anyhow::Result<DiskQueue> {
         bail!("no dead-letter queue at {} (is RELAY_DATA_DIR right?)", path.display());
     }
     let clock: std::sync::Arc<dyn relay_shared::time::Clock> = std::sync::Arc::new(relay_shared::time::SystemClock);
-    DiskQueue::open(&path, clock, Duration::from_secs(30), crate::run::DEAD_LETTER_MAX_RECEIVES)
+    DiskQueue::open(&path, clock, Duration::from_secs(30), crate::data_dir::DEAD_LETTER_MAX_RECEIVES)
         .with_context(|| format!("cannot open {}", path.display()))
 }
 

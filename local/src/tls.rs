@@ -189,7 +189,7 @@ fn create(data_dir: &Path, files: &TlsFiles, hosts: &[String]) -> anyhow::Result
     let tmp = data_dir.join(format!(".tls-new-{}", uuid::Uuid::new_v4().simple()));
     std::fs::create_dir(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
     let written = (|| -> anyhow::Result<()> {
-        crate::run::write_private(&tmp.join("key.pem"), &made.key)?;
+        crate::data_dir::write_private(&tmp.join("key.pem"), &made.key)?;
         write_public(&tmp.join("cert.pem"), &made.cert)?;
         write_public(&tmp.join("ca.pem"), &made.ca)?;
         // An empty tls/ (made by hand) is replaced; one with files in it is not.
