@@ -14,18 +14,18 @@ use relay_shared::time::{Clock, Timestamp};
 
 use crate::Deps;
 use crate::breaker::{Shared, note_answer, open_breaker};
-use crate::report::Applied;
+use crate::report::PollOutcome;
 use crate::schedule::next_read_at;
 
 /// Gives back a claim whose read was not made: the read it counted is taken back, and the task
 /// is due again at once (or when the breaker closes).
-pub(crate) async fn release(deps: &Deps, due: &DueTask, now: Timestamp) -> Applied {
+pub(crate) async fn release(deps: &Deps, due: &DueTask, now: Timestamp) -> PollOutcome {
     let r = Reschedule { unread: true, ..Reschedule::at(now) };
     match deps.store.reschedule(&due.task.task_ref, &deps.owner, r).await {
-        Ok(_) => Applied::Released,
+        Ok(_) => PollOutcome::Released,
         Err(e) => {
             tracing::error!(event = "poll_store_failed", task_ref = %due.task.task_ref, error = %e);
-            Applied::Error
+            PollOutcome::Error
         }
     }
 }
@@ -37,13 +37,13 @@ pub(crate) async fn read_one(
     due: DueTask,
     id: CaptchaId,
     last: bool,
-) -> Applied {
+) -> PollOutcome {
     // The breaker may have opened while this read waited for a permit: then it is not made.
     if shared.open_at(clock.now()).is_some() {
         let r = Reschedule { unread: true, ..Reschedule::at(clock.now()) };
         return match deps.store.reschedule(&due.task.task_ref, &deps.owner, r).await {
-            Ok(_) => Applied::Released,
-            Err(_) => Applied::Error,
+            Ok(_) => PollOutcome::Released,
+            Err(_) => PollOutcome::Error,
         };
     }
     let answer = deps.captchaai.get_result(&id).await;
@@ -56,7 +56,7 @@ pub(crate) async fn read_batch(
     clock: &Arc<dyn Clock>,
     shared: &Shared,
     chunk: Vec<(DueTask, CaptchaId, bool)>,
-) -> Vec<Applied> {
+) -> Vec<PollOutcome> {
     let ids: Vec<CaptchaId> = chunk.iter().map(|(_, id, _)| id.clone()).collect();
     let mut out = Vec::with_capacity(chunk.len());
     let answers = deps.captchaai.get_results(&ids).await;
@@ -98,7 +98,7 @@ async fn apply_answer(
     due: DueTask,
     answer: Result<ResAnswer, CaptchaAiError>,
     last: bool,
-) -> Applied {
+) -> PollOutcome {
     let s = &deps.settings;
     let now = clock.now();
     let reads = due.reads + 1;
@@ -112,18 +112,18 @@ async fn apply_answer(
             match deps.store.expire(r, &reason, now, &deps.owner).await {
                 Ok(true) => {
                     tracing::info!(event = "task_expired", task_ref = %r, reason, last_read = true);
-                    Applied::Expired
+                    PollOutcome::Expired
                 }
-                Ok(false) => Applied::AlreadyResolved,
+                Ok(false) => PollOutcome::AlreadyResolved,
                 Err(e) => {
                     tracing::error!(event = "poll_store_failed", task_ref = %r, error = %e);
-                    Applied::Error
+                    PollOutcome::Error
                 }
             }
         }
         Ok(ResAnswer::NotReady) => {
             let next = Reschedule { not_ready_at: Some(now), ..next_read };
-            reschedule(deps, &due, next, Applied::NotReady).await
+            reschedule(deps, &due, next, PollOutcome::NotReady).await
         }
         Ok(ResAnswer::Code(code)) => {
             if let Some(b) = ban(code.as_ref()) {
@@ -131,7 +131,7 @@ async fn apply_answer(
                 // early); the task keeps its own schedule.
                 let stop = Stop::Ban { needs_operator: b.needs_operator };
                 open_breaker(deps, shared, now.plus(b.duration), code.as_ref(), stop, now).await;
-                return reschedule(deps, &due, next_read, Applied::Transient).await;
+                return reschedule(deps, &due, next_read, PollOutcome::Transient).await;
             }
             match code.class() {
                 CodeClass::TerminalForTask => record(deps, now, &due, Outcome::Failed(code)).await,
@@ -142,36 +142,36 @@ async fn apply_answer(
                 CodeClass::Unknown | CodeClass::Permanent => {
                     tracing::warn!(event = "unknown_code", task_ref = %r, %code);
                     let next = Reschedule { unknown_code: true, ..next_read };
-                    reschedule(deps, &due, next, Applied::Transient).await
+                    reschedule(deps, &due, next, PollOutcome::Transient).await
                 }
                 CodeClass::Transient | CodeClass::NotReady => {
                     let wait = Duration::from_secs(retry_after_secs(code.as_ref()));
                     let next = Reschedule::at(next_read.next_due.max(now.plus(wait)));
-                    reschedule(deps, &due, next, Applied::Transient).await
+                    reschedule(deps, &due, next, PollOutcome::Transient).await
                 }
             }
         }
         Err(e) => {
             // No answer (counted by the caller, per request): read again on schedule.
             tracing::warn!(event = "res_php_failed", task_ref = %r, error = %e);
-            reschedule(deps, &due, next_read, Applied::Transient).await
+            reschedule(deps, &due, next_read, PollOutcome::Transient).await
         }
     }
 }
 
-async fn reschedule(deps: &Deps, due: &DueTask, r: Reschedule, applied: Applied) -> Applied {
+async fn reschedule(deps: &Deps, due: &DueTask, r: Reschedule, applied: PollOutcome) -> PollOutcome {
     match deps.store.reschedule(&due.task.task_ref, &deps.owner, r).await {
         Ok(_) => applied,
         Err(e) => {
             // The lease lapses and the next pass reads it again: nothing is lost.
             tracing::error!(event = "poll_store_failed", task_ref = %due.task.task_ref, error = %e);
-            Applied::Error
+            PollOutcome::Error
         }
     }
 }
 
-async fn record(deps: &Deps, now: Timestamp, due: &DueTask, outcome: Outcome) -> Applied {
-    let Some(captcha_id) = due.task.captcha_id.clone() else { return Applied::Error };
+async fn record(deps: &Deps, now: Timestamp, due: &DueTask, outcome: Outcome) -> PollOutcome {
+    let Some(captcha_id) = due.task.captcha_id.clone() else { return PollOutcome::Error };
     let solved = matches!(outcome, Outcome::Solved(_));
     // res.php cannot say when the solve happened; the token is no older than the last
     // "not ready" (or the submit), so its clock starts there.
@@ -186,21 +186,21 @@ async fn record(deps: &Deps, now: Timestamp, due: &DueTask, outcome: Outcome) ->
     match deps.store.record_result(r, &d).await {
         Ok(RecordOutcome::Recorded(_)) => {
             tracing::info!(event = "poll_recovered", task_ref = %r, solved);
-            if solved { Applied::Recovered } else { Applied::Failed }
+            if solved { PollOutcome::Recovered } else { PollOutcome::Failed }
         }
         Ok(RecordOutcome::Replaced(_)) => {
             tracing::warn!(event = "result_replaced", task_ref = %r, via = "poll");
             metrics::counter!("results_replaced", "via" => "poll").increment(1);
-            if solved { Applied::Recovered } else { Applied::Failed }
+            if solved { PollOutcome::Recovered } else { PollOutcome::Failed }
         }
-        Ok(RecordOutcome::Duplicate(_) | RecordOutcome::Conflict(_)) => Applied::AlreadyResolved,
+        Ok(RecordOutcome::Duplicate(_) | RecordOutcome::Conflict(_)) => PollOutcome::AlreadyResolved,
         Ok(RecordOutcome::Late(_)) => {
             tracing::warn!(event = "late_result_kept", task_ref = %r, via = "poll");
-            Applied::LateKept
+            PollOutcome::LateKept
         }
         Ok(other) => {
             tracing::error!(event = "poll_record_refused", task_ref = %r, outcome = ?other);
-            Applied::Error
+            PollOutcome::Error
         }
         Err(e) => {
             // Same path as the callback: keep the result as a dead letter. Should that fail too,
@@ -208,11 +208,11 @@ async fn record(deps: &Deps, now: Timestamp, due: &DueTask, outcome: Outcome) ->
             match deps.dead_letters.send(&DeadLetter::new(r, &d, &e.to_string(), 1)).await {
                 Ok(()) => {
                     tracing::warn!(event = "poll_dead_lettered", task_ref = %r, error = %e);
-                    Applied::DeadLettered
+                    PollOutcome::DeadLettered
                 }
                 Err(q) => {
                     tracing::error!(event = "poll_not_stored", task_ref = %r, store_error = %e, queue_error = %q);
-                    Applied::Error
+                    PollOutcome::Error
                 }
             }
         }

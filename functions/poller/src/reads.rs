@@ -4,13 +4,13 @@ use std::sync::Arc;
 
 use relay_shared::time::{Clock, Timestamp, Waiter};
 
-use crate::report::{Applied, TickReport};
+use crate::report::{PollOutcome, TickReport};
 
 /// Reads in flight, each holding a busy guard of its own; the invocation counts as asleep
 /// while it waits for them (see [`Waiter`]). Waiting ends at `hard_end`: reads still running
 /// then are abandoned (their claims lapse), so the invocation ends before its deadline.
 pub(crate) struct Reads {
-    set: tokio::task::JoinSet<Vec<Applied>>,
+    set: tokio::task::JoinSet<Vec<PollOutcome>>,
     waiter: Waiter,
     /// Turns true at the hard end. Told by a timer that is one more child of the waiter (its
     /// guard wakes the waiting invocation as it ends), not by a sleep inside the wait: a second
@@ -38,7 +38,7 @@ impl Reads {
         Self { set: tokio::task::JoinSet::new(), waiter, ended, timer }
     }
 
-    pub(crate) fn spawn(&mut self, read: impl Future<Output = Vec<Applied>> + Send + 'static) {
+    pub(crate) fn spawn(&mut self, read: impl Future<Output = Vec<PollOutcome>> + Send + 'static) {
         let busy = self.waiter.busy();
         self.set.spawn(async move {
             let _busy = busy;
@@ -117,7 +117,7 @@ mod tests {
                 let c = c.clone();
                 reads.spawn(async move {
                     c.sleep_until(Timestamp::from_millis(at)).await;
-                    vec![Applied::Recovered]
+                    vec![PollOutcome::Recovered]
                 });
             }
             let mut report = TickReport::default();

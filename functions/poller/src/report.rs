@@ -1,4 +1,4 @@
-//! What one invocation did: the [`TickReport`], the per-answer [`Applied`] it counts, and the
+//! What one invocation did: the [`TickReport`], the per-answer [`PollOutcome`] it counts, and the
 //! metrics and the log line it ends as.
 
 use serde::Serialize;
@@ -54,25 +54,25 @@ pub struct TickReport {
 }
 
 impl TickReport {
-    pub(crate) fn add(&mut self, a: Applied) {
+    pub(crate) fn add(&mut self, a: PollOutcome) {
         match a {
-            Applied::Recovered => self.recovered += 1,
-            Applied::Failed => self.failed += 1,
-            Applied::NotReady => self.not_ready += 1,
-            Applied::Expired => self.expired += 1,
-            Applied::Transient => self.transient += 1,
-            Applied::AlreadyResolved => self.already_resolved += 1,
-            Applied::LateKept => self.late_kept += 1,
-            Applied::DeadLettered => self.dead_lettered += 1,
-            Applied::Released => self.released += 1,
-            Applied::Error => self.errors += 1,
+            PollOutcome::Recovered => self.recovered += 1,
+            PollOutcome::Failed => self.failed += 1,
+            PollOutcome::NotReady => self.not_ready += 1,
+            PollOutcome::Expired => self.expired += 1,
+            PollOutcome::Transient => self.transient += 1,
+            PollOutcome::AlreadyResolved => self.already_resolved += 1,
+            PollOutcome::LateKept => self.late_kept += 1,
+            PollOutcome::DeadLettered => self.dead_lettered += 1,
+            PollOutcome::Released => self.released += 1,
+            PollOutcome::Error => self.errors += 1,
         }
     }
 }
 
 /// What one answer did, for the report.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Applied {
+pub(crate) enum PollOutcome {
     Recovered,
     Failed,
     NotReady,
