@@ -1,3 +1,5 @@
+use relay_shared::lambda::{ColdStart, cold_start};
+
 /// mimalloc, not glibc's malloc (as local mode): the SDK, hyper and rustls allocate per request
 /// on every thread, and glibc's allocator was a quarter of local mode's CPU under load.
 #[global_allocator]
@@ -5,11 +7,6 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[tokio::main]
 async fn main() -> Result<(), lambda_runtime::Error> {
-    relay_shared::telemetry::init();
-    let metrics = relay_shared::telemetry::cold_start(relay_shared::telemetry::metrics_init("api"))?;
-    let deps = relay_shared::telemetry::cold_start(relay_api::Deps::from_env().await)?;
-    // The DynamoDB connection (TCP, TLS, credentials, endpoint) is opened here, in init, not by
-    // the first request; bounded, and a failure only means the first request connects itself.
-    deps.store.warm_up(relay_shared::warm::WARM_UP_LIMIT).await;
+    let ColdStart { metrics, deps } = cold_start("api", relay_api::Deps::from_env(), |d| &d.store).await?;
     metrics_cloudwatch_embedded::lambda::handler::run_http(metrics, |req| relay_api::handle(req, &deps)).await
 }

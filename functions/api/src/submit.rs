@@ -10,7 +10,7 @@ pub(crate) use outcome::{SubmitInput, Submitted};
 use lambda_http::Request;
 use relay_shared::captchaai::CaptchaAiError;
 use relay_shared::domain::Task;
-use relay_shared::store::{Created, Permit};
+use relay_shared::store::{Created, Permit, SubmitState};
 use relay_shared::submit::{InPhp, Recorder, lanes::lane_id};
 use tracing::Instrument;
 
@@ -18,6 +18,14 @@ use crate::deps::Deps;
 use bookkeeping::{deadline_after, give_back_permit, refused};
 use outcome::{key_rejected, replayed};
 use queue::{enqueue, queue_unsent};
+
+/// Why a submit waits in the queue instead of going to in.php now.
+enum HeldBack {
+    /// Others were just seen waiting: a permit would be refused, so none is asked for.
+    OthersWaiting,
+    /// The permit write was refused; the account's state item as it was says why.
+    Refused(Box<SubmitState>),
+}
 
 /// The submit itself: a permit (or the queue), the pace, one conditional put, in.php once, then
 /// the id stored or dead-lettered, or the task queued after an explicit refusal for now.
@@ -38,19 +46,23 @@ pub(crate) async fn submit_task(req: &Request, deps: &Deps, input: SubmitInput) 
         let initial = deps.queue.window.threads.unwrap_or(deps.queue.window.initial);
         // One write: a permit to send it now, or the state that says why not — unless others
         // were just seen waiting, when the permit would be refused (queued at once).
-        let no_permit = if deps.admission.queue_waiting(now) {
-            Some(None)
+        let held = if deps.admission.queue_waiting(now) {
+            Some(HeldBack::OthersWaiting)
         } else {
             match deps.store.take_permit(now, initial).await {
                 Ok(Permit::Taken) => None,
                 Ok(Permit::Refused(state)) => {
                     deps.admission.saw(&state, now);
-                    Some(Some(*state))
+                    Some(HeldBack::Refused(state))
                 }
                 Err(e) => return Submitted::Store(e),
             }
         };
-        if let Some(state) = no_permit {
+        if let Some(held) = held {
+            let state = match held {
+                HeldBack::OthersWaiting => None,
+                HeldBack::Refused(state) => Some(*state),
+            };
             if let Some(open) = state.as_ref().and_then(|st| key_rejected(st, now)) {
                 return open;
             }
