@@ -1,3 +1,7 @@
+//! The submitter's Lambda binary: reads its configuration once at cold start, then runs
+//! [`relay_submitter::handle`] for each invocation (a schedule, or a stream batch with the wake
+//! item).
+
 use std::sync::Arc;
 
 use lambda_runtime::LambdaEvent;
