@@ -8,6 +8,7 @@ pub mod deadletter;
 pub mod delivery;
 pub mod domain;
 pub mod http;
+pub mod idempotency;
 pub mod lambda;
 pub mod retry;
 pub mod secrets;

@@ -18,6 +18,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use aws_lambda_events::dynamodb::Event as StreamEvent;
+use aws_lambda_events::sqs::SqsEvent;
 use lambda_runtime::LambdaEvent;
 use relay_shared::deadletter::SqsQueue;
 use relay_shared::delivery::{Deliverer, DeliverySettings, KeySource, SweepReport, Wakeups};
@@ -25,6 +27,7 @@ use relay_shared::domain::TaskRef;
 use relay_shared::store::{DueDelivery, TaskStore};
 use relay_shared::time::{Clock, Timestamp};
 use secrecy::ExposeSecret;
+use serde_dynamo::AttributeValue;
 
 /// SQS delays a message by at most this long; a push due later is left to the sweep.
 pub const MAX_DELAY: Duration = Duration::from_secs(900);
@@ -76,17 +79,43 @@ pub async fn from_env() -> anyhow::Result<Deliverer> {
     Ok(deliverer)
 }
 
+/// What woke the function, read as its typed event.
+#[derive(Debug)]
+pub enum Trigger {
+    /// A batch of the table's stream.
+    Stream(StreamEvent),
+    /// A batch of the retry queue.
+    Retries(SqsEvent),
+    /// Any other event: the schedule's (a sweep).
+    Sweep,
+}
+
+impl Trigger {
+    /// Records from `aws:sqs` are the retry queue's, other records the stream's; anything else
+    /// is the schedule. An error: records that are not the event they claim to be.
+    pub fn of(payload: serde_json::Value) -> Result<Self, serde_json::Error> {
+        if is_sqs(&payload) {
+            serde_json::from_value(payload).map(Self::Retries)
+        } else if payload.get("Records").is_some() {
+            serde_json::from_value(payload).map(Self::Stream)
+        } else {
+            Ok(Self::Sweep)
+        }
+    }
+}
+
 /// The pushes a stream batch makes due: each record's task and the `dlv_due` it carries.
 /// Records without them (filtered out by the template, but not by every emulator) are skipped.
-pub fn due_in_stream(event: &serde_json::Value) -> Vec<DueDelivery> {
-    let Some(records) = event.get("Records").and_then(|r| r.as_array()) else { return Vec::new() };
-    records
+pub fn due_in_stream(batch: &StreamEvent) -> Vec<DueDelivery> {
+    batch
+        .records
         .iter()
         .filter_map(|r| {
-            let image = r.pointer("/dynamodb/NewImage")?;
-            let pk = image.pointer("/pk/S")?.as_str()?;
-            image.pointer("/dlv_shard/N")?;
-            let due: u64 = image.pointer("/dlv_due/N")?.as_str()?.parse().ok()?;
+            let image = &r.change.new_image;
+            let AttributeValue::S(pk) = image.get("pk")? else { return None };
+            let AttributeValue::N(_) = image.get("dlv_shard")? else { return None };
+            let AttributeValue::N(due) = image.get("dlv_due")? else { return None };
+            let due: u64 = due.parse().ok()?;
             Some(DueDelivery { task_ref: TaskRef::parse(pk).ok()?, due_at: Timestamp::from_millis(due) })
         })
         .collect()
@@ -94,12 +123,12 @@ pub fn due_in_stream(event: &serde_json::Value) -> Vec<DueDelivery> {
 
 /// The pushes a retry-queue batch brings back. Unreadable bodies are skipped (the sweep is the
 /// net).
-pub fn due_in_retry_messages(event: &serde_json::Value) -> Vec<DueDelivery> {
-    let Some(records) = event.get("Records").and_then(|r| r.as_array()) else { return Vec::new() };
-    records
+pub fn due_in_retry_messages(batch: &SqsEvent) -> Vec<DueDelivery> {
+    batch
+        .records
         .iter()
-        .filter_map(|r| {
-            let body: serde_json::Value = serde_json::from_str(r.get("body")?.as_str()?).ok()?;
+        .filter_map(|m| {
+            let body: serde_json::Value = serde_json::from_str(m.body.as_deref()?).ok()?;
             let task_ref = TaskRef::parse(body.get("task_ref")?.as_str()?).ok()?;
             Some(DueDelivery { task_ref, due_at: Timestamp::from_millis(body.get("due_at_ms")?.as_u64()?) })
         })
@@ -119,24 +148,31 @@ pub async fn handle(
     let now = clock.now();
     let remaining = relay_shared::time_left(event.context.deadline, now);
     let deadline = now.plus(remaining.saturating_sub(relay_shared::delivery::SWEEP_END_MARGIN));
-    let report = if is_sqs(&event.payload) {
-        // A retry message: its push was due when it became visible. A store failure leaves the
-        // push due in the index, where the sweep finds it; the message is not retried.
-        let due = due_in_retry_messages(&event.payload);
-        let mut report = SweepReport::default();
-        let (failed, _) = deliverer.deliver_all(due, &clock, &mut report, clock.busy()).await;
-        if let Some(e) = failed {
-            tracing::warn!(event = "retry_batch_store_failure", error = %e);
+    let report = match Trigger::of(event.payload) {
+        Ok(Trigger::Retries(batch)) => {
+            // A retry message: its push was due when it became visible. A store failure leaves
+            // the push due in the index, where the sweep finds it; the message is not retried.
+            let due = due_in_retry_messages(&batch);
+            let mut report = SweepReport::default();
+            let (failed, _) = deliverer.deliver_all(due, &clock, &mut report, clock.busy()).await;
+            if let Some(e) = failed {
+                tracing::warn!(event = "retry_batch_store_failure", error = %e);
+            }
+            report
         }
-        report
-    } else if event.payload.get("Records").is_some() {
-        // A record whose push is not due yet (a retry's own write, a parked push) wakes nothing:
-        // its retry message or the sweep takes it when it falls due.
-        let now = clock.now();
-        let due = due_in_stream(&event.payload).into_iter().filter(|d| d.due_at <= now).collect();
-        deliver_batch(&deliverer, due, clock).await?
-    } else {
-        deliverer.sweep(clock, deadline).await
+        Ok(Trigger::Stream(batch)) => {
+            // A record whose push is not due yet (a retry's own write, a parked push) wakes
+            // nothing: its retry message or the sweep takes it when it falls due.
+            let now = clock.now();
+            let due = due_in_stream(&batch).into_iter().filter(|d| d.due_at <= now).collect();
+            deliver_batch(&deliverer, due, clock).await?
+        }
+        Ok(Trigger::Sweep) => deliverer.sweep(clock, deadline).await,
+        Err(e) => {
+            // Its pushes, if any, stay due in the index: the sweep takes them.
+            tracing::error!(event = "delivery_event_unreadable", error = %e);
+            SweepReport::default()
+        }
     };
     report.emit();
     tracing::info!(event = "delivery_invocation", ?report);
@@ -165,22 +201,25 @@ pub async fn deliver_batch(
 mod tests {
     use super::*;
 
+    /// Real events, as Lambda hands them over: a stream batch (the template's view, `NEW_IMAGE`),
+    /// a retry-queue batch, and the schedule's event.
+    const STREAM_BATCH: &str = include_str!("../tests/fixtures/stream-batch.json");
+    const RETRY_BATCH: &str = include_str!("../tests/fixtures/retry-batch.json");
+    const SCHEDULE: &str = include_str!("../tests/fixtures/scheduler-event.json");
+
+    fn fixture(text: &str) -> serde_json::Value {
+        serde_json::from_str(text).expect("a fixture is JSON")
+    }
+
     #[test]
     fn a_stream_batch_yields_the_due_pushes_and_skips_the_rest() {
-        let event = serde_json::json!({ "Records": [
-            { "eventSource": "aws:dynamodb", "eventName": "MODIFY", "dynamodb": { "NewImage": {
-                "pk": { "S": "tsk_00000000000000000000000000000001" }, "dlv_shard": { "N": "1" }, "dlv_due": { "N": "1700000000000" } } } },
-            { "eventSource": "aws:dynamodb", "eventName": "MODIFY", "dynamodb": { "NewImage": {
-                "pk": { "S": "tsk_00000000000000000000000000000002" }, "dlv_due": { "N": "1700000000000" } } } },
-            { "eventSource": "aws:dynamodb", "eventName": "REMOVE", "dynamodb": {} },
-            { "eventSource": "aws:dynamodb", "eventName": "MODIFY", "dynamodb": { "NewImage": {
-                "pk": { "S": "not a ref" }, "dlv_shard": { "N": "1" }, "dlv_due": { "N": "1" } } } }
-        ]});
-        let due = due_in_stream(&event);
+        let event = fixture(STREAM_BATCH);
+        let Ok(Trigger::Stream(batch)) = Trigger::of(event.clone()) else { panic!("not read as a stream batch") };
+        let due = due_in_stream(&batch);
         assert_eq!(due.len(), 1, "{due:?}");
         assert_eq!(due[0].task_ref.as_ref(), "tsk_00000000000000000000000000000001");
         assert_eq!(due[0].due_at, Timestamp::from_millis(1_700_000_000_000));
-        assert!(due_in_stream(&serde_json::json!({ "source": "aws.scheduler" })).is_empty());
+        assert!(matches!(Trigger::of(fixture(SCHEDULE)), Ok(Trigger::Sweep)), "the schedule's event is a sweep");
         assert!(!is_sqs(&event));
     }
 
@@ -190,12 +229,11 @@ mod tests {
             task_ref: TaskRef::parse("tsk_00000000000000000000000000000007").expect("ref"),
             due_at: Timestamp::from_millis(1_700_000_001_234),
         };
-        let event = serde_json::json!({ "Records": [
-            { "eventSource": "aws:sqs", "messageId": "1", "body": retry_body(&due) },
-            { "eventSource": "aws:sqs", "messageId": "2", "body": "not json" },
-            { "eventSource": "aws:sqs", "messageId": "3", "body": "{\"task_ref\":\"x\",\"due_at_ms\":1}" }
-        ]});
+        let event = fixture(RETRY_BATCH);
         assert!(is_sqs(&event));
-        assert_eq!(due_in_retry_messages(&event), vec![due]);
+        let Ok(Trigger::Retries(mut batch)) = Trigger::of(event) else { panic!("not read as a retry batch") };
+        assert_eq!(due_in_retry_messages(&batch), vec![due.clone()]);
+        batch.records[0].body = Some(retry_body(&due));
+        assert_eq!(due_in_retry_messages(&batch), vec![due]);
     }
 }
