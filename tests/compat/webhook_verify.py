@@ -8,7 +8,7 @@ and prints one line per input: `ok` when the library accepts the signature, else
 can be checked. The library checks the timestamp against this machine's clock (5 minutes);
 a message may carry `"now": <unix seconds>` to be checked at that time instead (the
 simulations run on a simulated clock): the library's own clock is set, nothing else changes.
-Used by the webhook tests in shared/src/webhook.rs.
+Used by the webhook tests in shared/src/webhook/signing/tests.rs.
 """
 
 import json

@@ -1,6 +1,7 @@
 use std::sync::Arc;
 
 use lambda_runtime::LambdaEvent;
+use relay_shared::lambda::{ColdStart, cold_start};
 use relay_shared::time::{Clock, SystemClock};
 
 /// mimalloc, not glibc's malloc (as local mode): the SDK, hyper and rustls allocate per request
@@ -10,12 +11,8 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[tokio::main]
 async fn main() -> Result<(), lambda_runtime::Error> {
-    relay_shared::telemetry::init();
-    let metrics = relay_shared::telemetry::cold_start(relay_shared::telemetry::metrics_init("delivery"))?;
-    let deliverer = Arc::new(relay_shared::telemetry::cold_start(relay_delivery::from_env().await)?);
-    // The DynamoDB connection (TCP, TLS, credentials, endpoint) is opened here, in init, not by
-    // the first request; bounded, and a failure only means the first request connects itself.
-    deliverer.store.warm_up(relay_shared::warm::WARM_UP_LIMIT).await;
+    let ColdStart { metrics, deps } = cold_start("delivery", relay_delivery::from_env(), |d| &d.store).await?;
+    let deliverer = Arc::new(deps);
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     metrics_cloudwatch_embedded::lambda::handler::run(metrics, |event: LambdaEvent<serde_json::Value>| {
         relay_delivery::handle(event, deliverer.clone(), clock.clone())
