@@ -15,7 +15,7 @@ under tests/ are not held to it.
   lifted to the two siblings under the modules' nearest common ancestor, and a cycle among
   siblings fails.
 
-Usage: python3 infra/check_layout.py [repo root]
+Usage: python3 infra/check_layout.py [repo root] | --self-test
 """
 
 import re
@@ -133,7 +133,32 @@ def check_crate(root: Path, problems: list) -> None:
                 )
 
 
+def self_test() -> int:
+    """The check fails on what it is for: a sibling cycle, an oversize file; passes the rest."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "shared/src"
+        (src / "store").mkdir(parents=True)
+        (src / "lib.rs").write_text("pub mod domain;\npub mod store;\n")
+        (src / "store.rs").write_text("mod queue;\npub use queue::Q;\n")
+        (src / "store/queue.rs").write_text("use super::super::domain::Task;\npub struct Q;\n")
+        (src / "domain.rs").write_text("pub struct Task;\n#[cfg(test)]\nmod tests {\n" + "fn f() {}\n" * 700 + "}\n")
+        clean = []
+        check_crate(src, clean)
+        (src / "domain.rs").write_text("use crate::store::Q;\npub struct Task;\n" + "fn f() {}\n" * 601)
+        dirty = []
+        check_crate(src, dirty)
+    cycle = [p for p in dirty if "module cycle between `domain` and `store`" in p]
+    size = [p for p in dirty if "domain.rs: 60" in p]
+    ok = not clean and len(cycle) == 1 and len(size) == 1 and len(dirty) == 2
+    print(f"layout self-test: {'ok' if ok else 'FAILED'} (clean tree: {clean}; bad tree: {dirty})")
+    return 0 if ok else 1
+
+
 def main() -> int:
+    if sys.argv[1:] == ["--self-test"]:
+        return self_test()
     repo = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).resolve().parent.parent)
     problems = []
     roots = [r for pattern in CRATES for r in sorted(repo.glob(pattern))]

@@ -16,6 +16,10 @@ step() { echo "==> [$((SECONDS - started)) s] $*"; }
 
 # The pinned Python and JavaScript tools install while the workspace compiles (one waits for the
 # network, the other for the cores).
+step "the house's shape: no product source file over 600 lines, no module cycle (infra/check_layout.py)"
+python3 infra/check_layout.py --self-test
+python3 infra/check_layout.py
+
 step "installing the pinned tools (infra/tools.sh) while the workspace builds"
 infra/tools.sh > target/tools.log 2>&1 &
 tools_pid=$!
@@ -53,7 +57,7 @@ else
 fi
 unset RELAY_TEST_DYNAMODB_ENDPOINT
 
-step "end to end: the six Lambda binaries under cargo lambda watch, moto, resources from template.yaml"
+step "end to end: the Lambda binaries under cargo lambda watch, moto, resources from template.yaml"
 infra/e2e.sh
 
 step "the performance bench's smoke version (every part runs on small numbers; timings not checked)"

@@ -19,7 +19,8 @@
 
 pub mod hosts;
 pub mod operator;
-pub mod schedule;
+/// The push schedule lives with the domain (a task's push state is counted by it).
+pub use crate::domain::schedule;
 
 mod inbox;
 mod keys;

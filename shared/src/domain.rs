@@ -15,6 +15,7 @@ mod ids;
 mod kinds;
 mod push;
 mod result;
+pub mod schedule;
 mod task;
 mod view;
 

@@ -18,16 +18,14 @@
 
 mod answer;
 mod auth;
-mod bucket;
 mod captcha;
 mod form;
 mod in_php;
 mod params;
 mod res_php;
-pub(crate) mod state;
 
-pub use bucket::{READ_BURST, READS_PER_SECOND};
+pub use crate::compat_state::bucket::{READ_BURST, READS_PER_SECOND};
+pub use crate::compat_state::{BALANCE_FOR, CompatState};
 pub use captcha::MAX_IMAGE_BYTES;
 pub use in_php::in_php;
 pub use res_php::{MAX_IDS, res_php};
-pub use state::{BALANCE_FOR, CompatState};

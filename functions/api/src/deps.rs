@@ -11,7 +11,7 @@ use relay_shared::submit::{QueueSettings, Waker};
 use relay_shared::time::Clock;
 use relay_shared::webhook::UrlPolicy;
 
-use crate::compat::state::CompatState;
+use crate::compat_state::CompatState;
 
 /// What the handler needs, built once at cold start.
 #[derive(Debug, Clone)]

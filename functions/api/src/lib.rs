@@ -19,6 +19,7 @@
 //!   the dead-letter queue for the redrive function to store.
 
 pub mod compat;
+mod compat_state;
 mod deps;
 mod errors;
 mod pin;

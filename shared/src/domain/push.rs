@@ -54,7 +54,7 @@ pub struct DeliveryState {
     pub parked_at: Option<Timestamp>,
     /// Failed attempts recorded for the current result, per schedule: what the next wait
     /// follows (a lost attempt is not one).
-    pub failures: crate::delivery::schedule::Failures,
+    pub failures: super::schedule::Failures,
 }
 
 /// The push's status.

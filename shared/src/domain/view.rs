@@ -34,9 +34,7 @@ impl Task {
                 attempts: d.attempts,
                 webhook_id: d.delivered_id.clone(),
                 next_attempt_at: d.next_attempt_at.map(Timestamp::to_rfc3339),
-                schedule: d
-                    .next_attempt_at
-                    .map(|at| crate::delivery::schedule::Phase::at(self.token_dies_at(), at).as_str()),
+                schedule: d.next_attempt_at.map(|at| super::schedule::Phase::at(self.token_dies_at(), at).as_str()),
                 last_attempt_at: d.last_attempt_at.map(Timestamp::to_rfc3339),
                 last_outcome: d.last_outcome.clone(),
                 delivered_at: d.delivered_at.map(Timestamp::to_rfc3339),
@@ -199,7 +197,7 @@ pub struct DeliveryView {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub next_attempt_at: Option<String>,
     /// The schedule the next attempt is on: `token` (it carries a live token: fast retries
-    /// until just before it dies) or `standard` (see `crate::delivery::schedule`).
+    /// until just before it dies) or `standard` (see `crate::domain::schedule`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub schedule: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -14,7 +14,7 @@
 use aws_sdk_dynamodb::types::{AttributeValue, ReturnValue};
 
 use super::{Item, PageKey, StoreError, TaskStore, attr, condition_held, get_s, get_ts, get_u32, n, s, sdk_error};
-use crate::delivery::schedule::Failures;
+use crate::domain::schedule::Failures;
 use crate::domain::{DeliveryState, DeliveryStatus, Task, TaskRef};
 use crate::time::Timestamp;
 

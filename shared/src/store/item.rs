@@ -64,7 +64,7 @@ pub(crate) mod attr {
     pub const DLV_DONE_ID: &str = "dlv_done_id";
     pub const DLV_DONE_AT: &str = "dlv_done_at";
     pub const DLV_PARKED_AT: &str = "dlv_parked_at";
-    /// Failed attempts recorded, per schedule (see `crate::delivery::schedule`).
+    /// Failed attempts recorded, per schedule (see `crate::domain::schedule`).
     pub const DLV_TOKEN_FAILS: &str = "dlv_tfails";
     pub const DLV_STANDARD_FAILS: &str = "dlv_sfails";
 }

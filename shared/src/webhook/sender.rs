@@ -11,8 +11,7 @@ use super::url_policy::{UrlPolicy, check_url};
 pub const MAX_BODY: usize = 64 * 1024;
 /// How much of a response body is read (then dropped) before the connection is let go.
 pub const RESPONSE_READ_LIMIT: usize = 16 * 1024;
-/// The longest wait a `Retry-After` can ask for; longer asks are cut to this.
-pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(24 * 60 * 60);
+pub use crate::domain::schedule::MAX_RETRY_AFTER;
 /// The `user-agent` of every delivery.
 pub const USER_AGENT: &str = "captcha-relay-webhooks/1";
 

@@ -9,9 +9,9 @@ use relay_shared::domain::TaskRef;
 
 use super::answer::{answer, answer_with, bare, store_trouble, unavailable};
 use super::auth::authorise;
-use super::bucket::READS_PER_SECOND;
 use super::form::params;
 use super::params::Params;
+use crate::compat_state::bucket::READS_PER_SECOND;
 use crate::deps::Deps;
 use crate::pin::{Pin, pin};
 

@@ -19,6 +19,9 @@ use std::time::Duration;
 
 use crate::time::Timestamp;
 
+/// The longest wait a `Retry-After` can ask for; longer asks are cut to this.
+pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(24 * 60 * 60);
+
 /// Waits after the 1st, 2nd, … failed attempt that carried a live token; every further wait is
 /// the last one. ±10 % jitter.
 pub const TOKEN_RETRY: [Duration; 6] = [
@@ -36,7 +39,7 @@ pub const TOKEN_LAST_START: Duration = Duration::from_secs(3);
 /// Waits after the 1st, 2nd, … failed attempt of a result without a lifetime, or of a token's
 /// expired notice: 5 s, 5 min, 30 min, 2 h, 5 h, 10 h (±20 % jitter), so with the first attempt
 /// the standard schedule is at once, 5 s, 5 min, 30 min, 2 h, 5 h, 10 h. A `Retry-After`
-/// longer than the wait wins, up to [`crate::webhook::MAX_RETRY_AFTER`].
+/// longer than the wait wins, up to [`MAX_RETRY_AFTER`].
 pub const STANDARD_RETRY: [Duration; 6] = [
     Duration::from_secs(5),
     Duration::from_secs(5 * 60),
@@ -125,7 +128,7 @@ pub fn after_failure(
     jitter: f64,
 ) -> Next {
     let jitter = if jitter.is_finite() { jitter.clamp(0.0, 1.0) } else { 0.5 };
-    let asked = failed.retry_after.map(|d| d.min(crate::webhook::MAX_RETRY_AFTER));
+    let asked = failed.retry_after.map(|d| d.min(MAX_RETRY_AFTER));
     if let Some(dies) = token_dies_at
         && Phase::at(token_dies_at, failed.sent_at) == Phase::Token
     {
@@ -151,7 +154,7 @@ pub fn after_failure(
     }
     let wait =
         STANDARD_RETRY[(failures.standard as usize - 1).min(STANDARD_RETRY.len() - 1)].mul_f64(0.8 + 0.4 * jitter);
-    let wait = asked.map_or(wait, |a| wait.max(a)).min(crate::webhook::MAX_RETRY_AFTER);
+    let wait = asked.map_or(wait, |a| wait.max(a)).min(MAX_RETRY_AFTER);
     Next::Retry { at: failed.ended_at.plus(wait), failures, token_died: false }
 }
 

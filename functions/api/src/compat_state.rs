@@ -1,9 +1,11 @@
-//! Per-instance state of the compat front: the balance cache and the per-key read buckets.
+//! Per-instance state of the compat front (held by `Deps`): the balance cache and the per-key read buckets.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::bucket::ReadBuckets;
+pub(crate) mod bucket;
+
+use bucket::ReadBuckets;
 
 /// How long a balance read from CaptchaAI is reused.
 pub const BALANCE_FOR: Duration = Duration::from_secs(5);
