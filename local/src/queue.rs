@@ -332,14 +332,14 @@ mod tests {
     #[test]
     fn a_letter_whose_token_may_live_is_retried_in_seconds_a_stale_one_at_the_visibility() {
         use relay_shared::deadletter::DeadLetter;
-        use relay_shared::domain::{CaptchaId, Delivery, Outcome, Solution, TaskRef, Via};
+        use relay_shared::domain::{CaptchaId, IncomingResult, Outcome, Solution, TaskRef, Via};
         let dir = tmp();
         let clock = ManualClock::at(Timestamp::from_millis(1_796_210_146_000));
         // The deployed queue: 185 s visibility, 12 receives.
         let q = DiskQueue::open(&dir.join("dlq.sqlite"), Arc::new(clock.clone()), Duration::from_secs(185), 12)
             .expect("open");
         let letter = |token_at: Timestamp| {
-            let d = Delivery {
+            let d = IncomingResult {
                 captcha_id: CaptchaId::parse("71000040").expect("id"),
                 outcome: Outcome::Solved(Solution::parse("tok").expect("token")),
                 received_at: token_at,

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use fake_captchaai::{FakeCaptchaAi, FakeConfig};
 use relay_local::run::{LocalConfig, Options, Running, start};
-use relay_shared::domain::{CaptchaId, Delivery, DeliveryStatus, Outcome, Solution, TaskRef, TaskState, Via};
+use relay_shared::domain::{CaptchaId, DeliveryStatus, IncomingResult, Outcome, Solution, TaskRef, TaskState, Via};
 use relay_shared::testkit::receiver::Receiver;
 use relay_shared::time::{Clock, ManualClock, SystemClock};
 
@@ -180,7 +180,7 @@ async fn poisoned_dead_letters_are_listed_redacted_and_only_the_picked_ones_repl
         5,
     )?;
     let letter = |r: &TaskRef, id: &CaptchaId, token: &str| -> anyhow::Result<String> {
-        let d = Delivery {
+        let d = IncomingResult {
             captcha_id: id.clone(),
             outcome: Outcome::Solved(Solution::parse(token)?),
             received_at: clock.now(),

@@ -20,12 +20,14 @@
 
 use std::fmt;
 
-use aws_sdk_sqs::Client;
 use serde::{Deserialize, Serialize};
 
 use crate::codes::{ErrorCode, is_error_code};
-use crate::domain::{CaptchaId, Delivery, Outcome, ParseError, Solution, TaskRef, Via};
+use crate::domain::{CaptchaId, IncomingResult, Outcome, ParseError, Solution, TaskRef, Via};
 use crate::time::Timestamp;
+
+/// The SQS adapter, at its old path.
+pub use crate::sqs::{QueueError, Received, SqsQueue};
 
 pub const SCHEMA_VERSION: u32 = 1;
 
@@ -65,7 +67,7 @@ fn result_kind() -> String {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Letter {
     /// Apply this result to the task.
-    Result { task_ref: TaskRef, delivery: Delivery },
+    Result { task_ref: TaskRef, delivery: IncomingResult },
     /// In.php accepted the task under `captcha_id` at `accepted_at`: store it.
     Submitted { task_ref: TaskRef, captcha_id: CaptchaId, accepted_at: Timestamp, poll_due_at: Timestamp },
 }
@@ -88,7 +90,7 @@ impl fmt::Debug for DeadLetter {
 }
 
 impl DeadLetter {
-    pub fn new(task_ref: &TaskRef, d: &Delivery, error: &str, attempts: u32) -> Self {
+    pub fn new(task_ref: &TaskRef, d: &IncomingResult, error: &str, attempts: u32) -> Self {
         let code = match &d.outcome {
             Outcome::Solved(s) => s.expose().to_owned(),
             Outcome::Failed(c) => c.as_ref().to_owned(),
@@ -164,13 +166,13 @@ impl DeadLetter {
     }
 
     /// The task and the delivery to apply, re-applied by `via` (the redrive).
-    pub fn delivery_via(&self, via: Via) -> Result<(TaskRef, Delivery), ParseError> {
+    pub fn delivery_via(&self, via: Via) -> Result<(TaskRef, IncomingResult), ParseError> {
         let (task_ref, mut d) = self.delivery()?;
         d.via = via;
         Ok((task_ref, d))
     }
 
-    fn delivery(&self) -> Result<(TaskRef, Delivery), ParseError> {
+    fn delivery(&self) -> Result<(TaskRef, IncomingResult), ParseError> {
         let task_ref = TaskRef::parse(&self.task_ref)?;
         let outcome = if is_error_code(&self.code) {
             Outcome::Failed(ErrorCode::parse(&self.code)?)
@@ -179,7 +181,7 @@ impl DeadLetter {
         };
         Ok((
             task_ref,
-            Delivery {
+            IncomingResult {
                 captcha_id: CaptchaId::parse(&self.captcha_id)?,
                 outcome,
                 received_at: Timestamp::from_millis(self.received_at_ms),
@@ -189,11 +191,6 @@ impl DeadLetter {
         ))
     }
 }
-
-/// Why a queue call failed.
-#[derive(Debug, Clone, thiserror::Error)]
-#[error("queue unavailable: {0}")]
-pub struct QueueError(pub String);
 
 /// Where dead letters go. SQS on AWS; a file-backed queue in local mode.
 #[async_trait::async_trait]
@@ -246,128 +243,6 @@ impl DeadLetter {
     }
 }
 
-/// An SQS queue by URL.
-#[derive(Debug, Clone)]
-pub struct SqsQueue {
-    client: Client,
-    url: String,
-}
-
-/// A received message.
-#[derive(Debug, Clone)]
-pub struct Received {
-    pub message_id: String,
-    pub receipt_handle: String,
-    pub body: String,
-    pub receive_count: u32,
-}
-
-fn sqs_err<E: std::error::Error + 'static, R: fmt::Debug>(e: aws_sdk_sqs::error::SdkError<E, R>) -> QueueError {
-    QueueError(aws_sdk_sqs::error::DisplayErrorContext(&e).to_string())
-}
-
-impl SqsQueue {
-    pub fn new(client: Client, url: impl Into<String>) -> Self {
-        Self { client, url: url.into() }
-    }
-
-    pub fn url(&self) -> &str {
-        &self.url
-    }
-
-    pub async fn send_body(&self, body: &str) -> Result<String, QueueError> {
-        let out = self.client.send_message().queue_url(&self.url).message_body(body).send().await.map_err(sqs_err)?;
-        Ok(out.message_id.unwrap_or_default())
-    }
-
-    /// Sends a message that becomes visible after `delay_secs` (at most 900, SQS's limit).
-    pub async fn send_delayed(&self, body: &str, delay_secs: u32) -> Result<String, QueueError> {
-        let out = self
-            .client
-            .send_message()
-            .queue_url(&self.url)
-            .message_body(body)
-            .delay_seconds(i32::try_from(delay_secs.min(900)).unwrap_or(900))
-            .send()
-            .await
-            .map_err(sqs_err)?;
-        Ok(out.message_id.unwrap_or_default())
-    }
-
-    /// Receives up to `max` (≤ 10) messages, hidden for `visibility_secs`.
-    pub async fn receive(&self, max: i32, visibility_secs: i32, wait_secs: i32) -> Result<Vec<Received>, QueueError> {
-        let out = self
-            .client
-            .receive_message()
-            .queue_url(&self.url)
-            .max_number_of_messages(max.clamp(1, 10))
-            .visibility_timeout(visibility_secs)
-            .wait_time_seconds(wait_secs)
-            .message_system_attribute_names(aws_sdk_sqs::types::MessageSystemAttributeName::ApproximateReceiveCount)
-            .send()
-            .await
-            .map_err(sqs_err)?;
-        Ok(out
-            .messages
-            .unwrap_or_default()
-            .into_iter()
-            .map(|m| Received {
-                receive_count: m
-                    .attributes
-                    .as_ref()
-                    .and_then(|a| a.get(&aws_sdk_sqs::types::MessageSystemAttributeName::ApproximateReceiveCount))
-                    .and_then(|v| v.parse().ok())
-                    .unwrap_or(0),
-                message_id: m.message_id.unwrap_or_default(),
-                receipt_handle: m.receipt_handle.unwrap_or_default(),
-                body: m.body.unwrap_or_default(),
-            })
-            .collect())
-    }
-
-    pub async fn delete(&self, receipt_handle: &str) -> Result<(), QueueError> {
-        self.client
-            .delete_message()
-            .queue_url(&self.url)
-            .receipt_handle(receipt_handle)
-            .send()
-            .await
-            .map_err(sqs_err)?;
-        Ok(())
-    }
-
-    /// Hides a received message for `secs` from now (SQS's limit: 12 h), instead of the rest
-    /// of the visibility timeout it was received with.
-    pub async fn change_visibility(&self, receipt_handle: &str, secs: u32) -> Result<(), QueueError> {
-        self.client
-            .change_message_visibility()
-            .queue_url(&self.url)
-            .receipt_handle(receipt_handle)
-            .visibility_timeout(i32::try_from(secs.min(43_200)).unwrap_or(43_200))
-            .send()
-            .await
-            .map_err(sqs_err)?;
-        Ok(())
-    }
-
-    /// Approximate number of visible messages.
-    pub async fn depth(&self) -> Result<u64, QueueError> {
-        let out = self
-            .client
-            .get_queue_attributes()
-            .queue_url(&self.url)
-            .attribute_names(aws_sdk_sqs::types::QueueAttributeName::ApproximateNumberOfMessages)
-            .send()
-            .await
-            .map_err(sqs_err)?;
-        Ok(out
-            .attributes
-            .and_then(|a| a.get(&aws_sdk_sqs::types::QueueAttributeName::ApproximateNumberOfMessages).cloned())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0))
-    }
-}
-
 #[async_trait::async_trait]
 impl DeadLetterSink for SqsQueue {
     async fn send(&self, letter: &DeadLetter) -> Result<(), QueueError> {
@@ -401,13 +276,13 @@ mod tests {
         assert_eq!(retry_delay(Some(start), 5, 12, at(1), std::time::Duration::from_secs(20)).as_secs(), 20);
     }
 
-    fn delivery(code: &str) -> Delivery {
+    fn delivery(code: &str) -> IncomingResult {
         let outcome = if is_error_code(code) {
             Outcome::Failed(ErrorCode::parse(code).expect("code"))
         } else {
             Outcome::Solved(Solution::parse(code).expect("token"))
         };
-        Delivery {
+        IncomingResult {
             captcha_id: CaptchaId::parse("71000001").expect("id"),
             outcome,
             received_at: Timestamp::from_millis(1_796_210_146_000),
@@ -426,7 +301,7 @@ mod tests {
             assert_eq!(back, dl);
             assert_eq!(
                 back.delivery_via(Via::Redrive).expect("valid"),
-                (r.clone(), Delivery { via: Via::Redrive, ..d })
+                (r.clone(), IncomingResult { via: Via::Redrive, ..d })
             );
         }
     }

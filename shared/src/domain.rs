@@ -25,7 +25,7 @@ mod tests;
 pub use self::ids::{CaptchaId, TaskRef};
 pub use self::kinds::CaptchaKind;
 pub use self::push::{DeliveryState, DeliveryStatus, PingbackForm};
-pub use self::result::{Delivery, Outcome, Solution, Via};
+pub use self::result::{IncomingResult, Outcome, Solution, Via};
 pub use self::task::{Applied, LateResult, Task, TaskState, TransitionError};
 pub use self::view::{DeliveryView, LateView, QueueView, TaskView};
 /// Why a value from outside could not be parsed (defined in [`crate::codes`], which the domain

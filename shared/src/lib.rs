@@ -13,6 +13,7 @@ pub mod lambda;
 pub mod retry;
 pub mod secrets;
 pub mod signing;
+pub mod sqs;
 pub mod store;
 pub mod submit;
 pub mod telemetry;

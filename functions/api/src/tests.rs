@@ -388,7 +388,7 @@ async fn a_solution_is_handed_out_while_fresh_and_reported_expired_after() -> an
     let task_ref = TaskRef::parse(b["task_ref"].as_str().unwrap_or_default())?;
     let id = relay_shared::domain::CaptchaId::parse(b["captcha_id"].as_str().unwrap_or_default())?;
     let now = w.clock.now();
-    let d = relay_shared::domain::Delivery {
+    let d = relay_shared::domain::IncomingResult {
         captcha_id: id,
         outcome: relay_shared::domain::Outcome::Solved(relay_shared::domain::Solution::parse("tok-fresh")?),
         received_at: now,
@@ -411,16 +411,16 @@ async fn a_solution_is_handed_out_while_fresh_and_reported_expired_after() -> an
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_result_once_shown_is_pinned_and_an_earlier_received_one_replaces_it_only_before() -> anyhow::Result<()> {
-    use relay_shared::domain::{CaptchaId, Delivery, Outcome, Solution, Via};
+    use relay_shared::domain::{CaptchaId, IncomingResult, Outcome, Solution, Via};
     use relay_shared::store::RecordOutcome;
     let w = world(FakeConfig::default()).await?;
     let b = body(&w.call(post(TURNSTILE)).await);
     let task_ref = TaskRef::parse(b["task_ref"].as_str().unwrap_or_default())?;
     let id = CaptchaId::parse(b["captcha_id"].as_str().unwrap_or_default())?;
     let now = w.clock.now();
-    let deliver = |token: &str, back_ms: u64| -> anyhow::Result<Delivery> {
+    let deliver = |token: &str, back_ms: u64| -> anyhow::Result<IncomingResult> {
         let at = Timestamp::from_millis(now.as_millis() - back_ms);
-        Ok(Delivery {
+        Ok(IncomingResult {
             captcha_id: id.clone(),
             outcome: Outcome::Solved(Solution::parse(token)?),
             received_at: at,

@@ -11,7 +11,7 @@ use tracing::Instrument;
 use lambda_http::{Body, Request, Response};
 use relay_shared::codes::{CodeClass, ErrorCode, classify, is_error_code};
 use relay_shared::deadletter::{DeadLetter, DeadLetterSink, SqsQueue};
-use relay_shared::domain::{CaptchaId, Delivery, Outcome, Solution, TaskRef, Via};
+use relay_shared::domain::{CaptchaId, IncomingResult, Outcome, Solution, TaskRef, Via};
 use relay_shared::http::{json, parse_form, path_segments, problem, query_string, with_header};
 use relay_shared::signing::CallbackSigner;
 use relay_shared::store::{RecordOutcome, TaskStore};
@@ -81,7 +81,7 @@ impl RecentResults {
         Self::new(0)
     }
 
-    fn key(task_ref: &TaskRef, d: &Delivery) -> [u8; 32] {
+    fn key(task_ref: &TaskRef, d: &IncomingResult) -> [u8; 32] {
         use sha2::Digest;
         let (kind, code) = match &d.outcome {
             Outcome::Solved(s) => ("solved", s.expose()),
@@ -207,7 +207,7 @@ fn read_params(req: &Request) -> Result<Params, Response<Body>> {
 }
 
 /// Turns the pingback's fields into a delivery, or says which field is wrong.
-fn read_delivery(p: Params, now: relay_shared::time::Timestamp) -> Result<Delivery, Response<Body>> {
+fn read_delivery(p: Params, now: relay_shared::time::Timestamp) -> Result<IncomingResult, Response<Body>> {
     let id = p.id.filter(|v| !v.is_empty()).ok_or_else(|| problem(400, "missing_id", "the pingback has no `id`"))?;
     let code =
         p.code.filter(|v| !v.is_empty()).ok_or_else(|| problem(400, "missing_code", "the pingback has no `code`"))?;
@@ -226,7 +226,7 @@ fn read_delivery(p: Params, now: relay_shared::time::Timestamp) -> Result<Delive
     };
     // A pingback says nothing of when the token was issued (it may have been delayed): the
     // freshness clock starts at the task's creation (the store bounds it there).
-    Ok(Delivery {
+    Ok(IncomingResult {
         captcha_id,
         outcome,
         received_at: now,
@@ -540,7 +540,7 @@ mod tests {
     #[test]
     fn the_recent_results_set_is_bounded_and_keeps_no_token() {
         let recent = RecentResults::new(2);
-        let d = |code: &str| Delivery {
+        let d = |code: &str| IncomingResult {
             captcha_id: CaptchaId::parse("777").expect("id"),
             outcome: Outcome::Solved(Solution::parse(code).expect("token")),
             received_at: Timestamp::from_millis(1),

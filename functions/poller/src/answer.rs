@@ -8,7 +8,7 @@ use std::time::Duration;
 use relay_shared::captchaai::{CaptchaAiError, ResAnswer};
 use relay_shared::codes::{CodeClass, ban, retry_after_secs};
 use relay_shared::deadletter::DeadLetter;
-use relay_shared::domain::{CaptchaId, Delivery, Outcome, Via};
+use relay_shared::domain::{CaptchaId, IncomingResult, Outcome, Via};
 use relay_shared::store::{DueTask, RecordOutcome, Reschedule, Stop};
 use relay_shared::time::{Clock, Timestamp};
 
@@ -175,7 +175,7 @@ async fn record(deps: &Deps, now: Timestamp, due: &DueTask, outcome: Outcome) ->
     let solved = matches!(outcome, Outcome::Solved(_));
     // res.php cannot say when the solve happened; the token is no older than the last
     // "not ready" (or the submit), so its clock starts there.
-    let d = Delivery {
+    let d = IncomingResult {
         captcha_id,
         outcome,
         received_at: now,

@@ -10,7 +10,7 @@ use aws_lambda_events::sqs::SqsEvent;
 use fake_captchaai::{FakeCaptchaAi, FakeConfig};
 use relay_redrive::{BatchReport, Deps, RetryPacing};
 use relay_shared::deadletter::{DeadLetter, SqsQueue};
-use relay_shared::domain::{CaptchaId, CaptchaKind, Delivery, Outcome, Solution, Task, TaskRef, TaskState, Via};
+use relay_shared::domain::{CaptchaId, CaptchaKind, IncomingResult, Outcome, Solution, Task, TaskRef, TaskState, Via};
 use relay_shared::signing::CallbackSigner;
 use relay_shared::store::{RecordOutcome, SubmitRecorded, TaskStore};
 use relay_shared::testkit::{ApiGatewayEvent, FlakyDynamo, LocalDynamo, LocalSqs, sqs_event};
@@ -109,7 +109,7 @@ impl World {
 }
 
 fn letter_for(r: &TaskRef, id: &str, token: &str, at: Timestamp) -> anyhow::Result<DeadLetter> {
-    let d = Delivery {
+    let d = IncomingResult {
         captcha_id: CaptchaId::parse(id)?,
         outcome: Outcome::Solved(Solution::parse(token)?),
         received_at: at,

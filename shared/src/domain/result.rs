@@ -116,9 +116,10 @@ pub enum Outcome {
     Failed(ErrorCode),
 }
 
-/// One delivery of a result, from whichever path brought it.
+/// A result as it came in — by pingback, poll or redrive — before it is applied to its task.
+/// (Not a push: the relay pushing a result to its owner is a delivery, `crate::delivery`.)
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Delivery {
+pub struct IncomingResult {
     pub captcha_id: CaptchaId,
     pub outcome: Outcome,
     pub received_at: Timestamp,

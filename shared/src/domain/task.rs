@@ -1,7 +1,7 @@
 //! The task and its life as a state machine: its states, the transitions between them
 //! ([`Task::apply`] for a result from any path) and the times its state implies.
 
-use super::{CaptchaId, CaptchaKind, Delivery, DeliveryState, Outcome, PingbackForm, Solution, TaskRef, Via};
+use super::{CaptchaId, CaptchaKind, DeliveryState, IncomingResult, Outcome, PingbackForm, Solution, TaskRef, Via};
 use crate::codes::ErrorCode;
 use crate::time::Timestamp;
 
@@ -212,7 +212,7 @@ impl Task {
     }
 
     /// A result arrived (callback, poll or redrive).
-    pub fn apply(self, d: Delivery) -> Result<Applied, TransitionError> {
+    pub fn apply(self, d: IncomingResult) -> Result<Applied, TransitionError> {
         // A task sent twice has two CaptchaAI ids, the first never learnt: a result of either is
         // its result.
         if let Some(expected) = &self.captcha_id
@@ -275,7 +275,7 @@ impl Task {
     }
 
     /// The task with `d` as its result (the caller checked that it takes one).
-    fn with_result(self, d: Delivery) -> Self {
+    fn with_result(self, d: IncomingResult) -> Self {
         let state = match d.outcome {
             Outcome::Solved(solution) => TaskState::Solved {
                 solution,

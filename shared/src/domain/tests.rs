@@ -13,8 +13,8 @@ fn id(s: &str) -> CaptchaId {
     CaptchaId::parse(s).expect("valid id")
 }
 
-fn solved(s: &str, via: Via, at: u64) -> Delivery {
-    Delivery {
+fn solved(s: &str, via: Via, at: u64) -> IncomingResult {
+    IncomingResult {
         captcha_id: id("42"),
         outcome: Outcome::Solved(Solution::parse(s).expect("valid")),
         received_at: t(at),
@@ -84,7 +84,7 @@ fn the_first_received_result_wins_until_the_owner_was_shown_one() {
     // Ties keep what is stored; a verdict received earlier replaces a solution too.
     assert_eq!(a2.clone().apply(solved("c", Via::Poll, 300)), Ok(Applied::Conflict));
     let code = ErrorCode::parse("ERROR_CAPTCHA_UNSOLVABLE").expect("code");
-    let verdict = Delivery { outcome: Outcome::Failed(code), ..solved("x", Via::Redrive, 200) };
+    let verdict = IncomingResult { outcome: Outcome::Failed(code), ..solved("x", Via::Redrive, 200) };
     assert!(matches!(
         a2.clone().apply(verdict.clone()),
         Ok(Applied::Replaced(Task { state: TaskState::Failed { .. }, .. }))
@@ -106,7 +106,7 @@ fn the_first_received_result_wins_until_the_owner_was_shown_one() {
 #[test]
 fn error_code_result_fails_the_task_and_repeats_are_duplicates() {
     let code = ErrorCode::parse("ERROR_CAPTCHA_UNSOLVABLE").expect("code");
-    let d = Delivery { outcome: Outcome::Failed(code.clone()), ..solved("x", Via::Callback, 10) };
+    let d = IncomingResult { outcome: Outcome::Failed(code.clone()), ..solved("x", Via::Callback, 10) };
     let Ok(Applied::Recorded(task)) = pending_task(CaptchaKind::Hcaptcha).apply(d.clone()) else { panic!("recorded") };
     assert!(matches!(&task.state, TaskState::Failed { code: c, .. } if *c == code));
     assert_eq!(task.clone().apply(d), Ok(Applied::Duplicate));
@@ -115,7 +115,7 @@ fn error_code_result_fails_the_task_and_repeats_are_duplicates() {
 
 #[test]
 fn result_with_another_captcha_id_is_refused() {
-    let d = Delivery { captcha_id: id("99"), ..solved("tok", Via::Callback, 10) };
+    let d = IncomingResult { captcha_id: id("99"), ..solved("tok", Via::Callback, 10) };
     assert!(matches!(pending_task(CaptchaKind::Image).apply(d), Err(TransitionError::IdMismatch { .. })));
 }
 
@@ -169,7 +169,7 @@ fn a_result_for_a_task_whose_submit_failed_proves_it_was_accepted() {
     assert!(matches!(task.state, TaskState::Solved { .. }));
     // A task that failed with CaptchaAI's own verdict keeps it.
     let code = ErrorCode::parse("ERROR_CAPTCHA_UNSOLVABLE").expect("code");
-    let d = Delivery { outcome: Outcome::Failed(code), ..solved("x", Via::Callback, 10) };
+    let d = IncomingResult { outcome: Outcome::Failed(code), ..solved("x", Via::Callback, 10) };
     let Ok(Applied::Recorded(unsolvable)) = pending_task(CaptchaKind::Image).apply(d) else { panic!() };
     assert_eq!(unsolvable.apply(solved("w68hp", Via::Poll, 20)), Ok(Applied::Conflict));
 }

@@ -362,7 +362,7 @@ impl TaskStore {
 mod tests {
 
     use super::*;
-    use crate::domain::{CaptchaId, CaptchaKind, Delivery, Outcome, Solution, Via};
+    use crate::domain::{CaptchaId, CaptchaKind, IncomingResult, Outcome, Solution, Via};
     use crate::store::{Created, RecordOutcome, SubmitRecorded};
     use crate::testkit::{LocalDynamo, LocalSqs};
 
@@ -386,8 +386,8 @@ mod tests {
         }
     }
 
-    fn solved(captcha: &str, at: u64) -> Delivery {
-        Delivery {
+    fn solved(captcha: &str, at: u64) -> IncomingResult {
+        IncomingResult {
             captcha_id: CaptchaId::parse(captcha).expect("id"),
             outcome: Outcome::Solved(Solution::parse("TOKEN").expect("token")),
             received_at: t(at),

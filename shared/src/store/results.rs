@@ -7,7 +7,7 @@ use aws_sdk_dynamodb::types::{ReturnValue, ReturnValuesOnConditionCheckFailure};
 use super::{
     DELIVERY_CLEAR, DELIVERY_DUE, StoreError, TaskStore, attr, decode, delivery_due, n, refused_item, s, sdk_error,
 };
-use crate::domain::{Applied, CaptchaId, Delivery, Outcome, Task, TaskRef, TaskState, TransitionError, Via};
+use crate::domain::{Applied, CaptchaId, IncomingResult, Outcome, Task, TaskRef, TaskState, TransitionError, Via};
 use crate::time::Timestamp;
 
 /// What happened to a delivered result.
@@ -46,7 +46,7 @@ impl TaskStore {
     /// conditional write, only in that case). The rare transitions (a replacement, an earlier
     /// receipt, a result after a failed submit or for an expired task) also take a second write:
     /// the first, with a short condition, is for an open task, which nearly every result finds.
-    pub async fn record_result(&self, task_ref: &TaskRef, d: &Delivery) -> Result<RecordOutcome, StoreError> {
+    pub async fn record_result(&self, task_ref: &TaskRef, d: &IncomingResult) -> Result<RecordOutcome, StoreError> {
         // The common case first: the task is open. Its condition is short, so the engine has
         // little to parse and evaluate. A refusal returns the item, and every other transition
         // the state machine allows (a replacement, an earlier receipt, a result after a failed
@@ -79,7 +79,7 @@ impl TaskStore {
     }
 
     /// The result write under the full condition: every transition the state machine allows.
-    async fn record_result_full(&self, task_ref: &TaskRef, d: &Delivery) -> Result<RecordOutcome, StoreError> {
+    async fn record_result_full(&self, task_ref: &TaskRef, d: &IncomingResult) -> Result<RecordOutcome, StoreError> {
         let req = self
             .result_write(task_ref, d)
             .condition_expression(
@@ -111,7 +111,7 @@ impl TaskStore {
         &self,
         task_ref: &TaskRef,
         out: aws_sdk_dynamodb::operation::update_item::UpdateItemOutput,
-        d: &Delivery,
+        d: &IncomingResult,
     ) -> Result<RecordOutcome, StoreError> {
         let applied = decode(out.attributes.as_ref())?.apply(d.clone());
         if let Ok(Applied::Recorded(task) | Applied::Replaced(task) | Applied::Earlier(task)) = &applied {
@@ -132,7 +132,7 @@ impl TaskStore {
 
     /// A result write without its condition: the update, its values (`:id` and `:at` included,
     /// which both conditions use), and the old item returned either way.
-    fn result_write(&self, task_ref: &TaskRef, d: &Delivery) -> UpdateItemFluentBuilder {
+    fn result_write(&self, task_ref: &TaskRef, d: &IncomingResult) -> UpdateItemFluentBuilder {
         let mut req = self
             .client
             .update_item()
@@ -180,7 +180,12 @@ impl TaskStore {
     }
 
     /// Says why a result write was refused, from the old item; keeps a late result.
-    async fn classify_refused(&self, task_ref: &TaskRef, old: Task, d: &Delivery) -> Result<RecordOutcome, StoreError> {
+    async fn classify_refused(
+        &self,
+        task_ref: &TaskRef,
+        old: Task,
+        d: &IncomingResult,
+    ) -> Result<RecordOutcome, StoreError> {
         match old.clone().apply(d.clone()) {
             Ok(Applied::Duplicate) => Ok(RecordOutcome::Duplicate(old)),
             Ok(Applied::Conflict) => Ok(RecordOutcome::Conflict(old)),
@@ -197,7 +202,7 @@ impl TaskStore {
     }
 
     /// Keeps a result that came after the task was expired, once.
-    async fn keep_late(&self, task_ref: &TaskRef, task: Task, d: &Delivery) -> Result<RecordOutcome, StoreError> {
+    async fn keep_late(&self, task_ref: &TaskRef, task: Task, d: &IncomingResult) -> Result<RecordOutcome, StoreError> {
         let code = match &d.outcome {
             Outcome::Solved(sol) => sol.expose().to_owned(),
             Outcome::Failed(c) => c.as_ref().to_owned(),

@@ -138,7 +138,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::domain::{CaptchaKind, Delivery, Outcome, Solution, Via};
+    use crate::domain::{CaptchaKind, IncomingResult, Outcome, Solution, Via};
     use crate::testkit::LocalDynamo;
 
     fn t(secs: u64) -> Timestamp {
@@ -148,7 +148,7 @@ mod tests {
     async fn solved(store: &TaskStore, owner: &str, at: Timestamp) -> anyhow::Result<TaskRef> {
         let task = Task { owner: Some(owner.into()), ..Task::new(TaskRef::generate(), CaptchaKind::Turnstile, at) };
         store.create(&task, at.plus(Duration::from_secs(60)), None).await?;
-        let d = Delivery {
+        let d = IncomingResult {
             captcha_id: crate::domain::CaptchaId::parse("77")?,
             outcome: Outcome::Solved(Solution::parse("tok-retained")?),
             received_at: at.plus(Duration::from_secs(10)),

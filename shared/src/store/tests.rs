@@ -3,7 +3,7 @@
 use super::*;
 use crate::codes::ErrorCode;
 use crate::domain::Solution;
-use crate::domain::{CaptchaId, CaptchaKind, Delivery, Outcome, Task, TaskRef, TaskState, Via};
+use crate::domain::{CaptchaId, CaptchaKind, IncomingResult, Outcome, Task, TaskRef, TaskState, Via};
 use crate::testkit::LocalDynamo;
 use crate::time::Timestamp;
 
@@ -15,8 +15,14 @@ fn id(v: &str) -> CaptchaId {
     CaptchaId::parse(v).expect("id")
 }
 
-fn delivery(captcha: &str, outcome: Outcome, at: u64) -> Delivery {
-    Delivery { captcha_id: id(captcha), outcome, received_at: t(at), via: Via::Callback, token_clock_start: t(at) }
+fn delivery(captcha: &str, outcome: Outcome, at: u64) -> IncomingResult {
+    IncomingResult {
+        captcha_id: id(captcha),
+        outcome,
+        received_at: t(at),
+        via: Via::Callback,
+        token_clock_start: t(at),
+    }
 }
 
 fn solved(token: &str) -> Outcome {
@@ -198,7 +204,7 @@ async fn an_earlier_received_result_replaces_a_later_one_until_it_is_handed_out(
     // queue; a conflicting B, received at 6 s, was stored first.
     assert!(matches!(store.record_result(r, &delivery("42", solved("B"), 6_000)).await?, RecordOutcome::Recorded(_)));
     // A's redrive: received earlier, so it replaces B — no token of B is left.
-    let redriven = Delivery { via: Via::Redrive, ..delivery("42", solved("A"), 5_000) };
+    let redriven = IncomingResult { via: Via::Redrive, ..delivery("42", solved("A"), 5_000) };
     let RecordOutcome::Replaced(now) = store.record_result(r, &redriven).await? else { panic!("replaced") };
     assert_eq!(store.get(r).await?.as_ref(), Some(&now));
     assert!(matches!(&now.state, TaskState::Solved { solution, resolved_at, via: Via::Redrive, .. }
@@ -236,10 +242,10 @@ async fn a_poll_read_of_a_dead_lettered_result_does_not_let_a_later_conflict_win
         let (_db, store) = engine().await?;
         let task = pending(&store, CaptchaKind::Turnstile).await;
         let r = &task.task_ref;
-        let polled = Delivery { via: Via::Poll, ..delivery("42", solved("A"), 9_000) };
+        let polled = IncomingResult { via: Via::Poll, ..delivery("42", solved("A"), 9_000) };
         assert!(matches!(store.record_result(r, &polled).await?, RecordOutcome::Recorded(_)));
-        let a = Delivery { via: Via::Redrive, ..delivery("42", solved("A"), 5_000) };
-        let b = Delivery { via: Via::Redrive, ..delivery("42", solved("B"), 6_000) };
+        let a = IncomingResult { via: Via::Redrive, ..delivery("42", solved("A"), 5_000) };
+        let b = IncomingResult { via: Via::Redrive, ..delivery("42", solved("B"), 6_000) };
         let letters = if a_first { [a, b] } else { [b, a] };
         for d in &letters {
             store.record_result(r, d).await?;

@@ -355,7 +355,7 @@ async fn timed(
                 rig.handler(req, if first { "recorded" } else { "duplicate" }).await?
             }
             Side::Store => {
-                let d = relay_shared::domain::Delivery {
+                let d = relay_shared::domain::IncomingResult {
                     captcha_id: id.clone(),
                     outcome: relay_shared::domain::Outcome::Solved(relay_shared::domain::Solution::parse(&rig.token)?),
                     received_at: SystemClock.now(),

@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::extract::State;
-use relay_shared::domain::{CaptchaId, CaptchaKind, Delivery, Outcome, Solution, Task, TaskRef, Via};
+use relay_shared::domain::{CaptchaId, CaptchaKind, IncomingResult, Outcome, Solution, Task, TaskRef, Via};
 use relay_shared::signing::CallbackSigner;
 use relay_shared::store::{TaskStore, schema};
 use relay_shared::testkit::{ApiGatewayEvent, client_for, sqs_client_for};
@@ -335,7 +335,7 @@ fn functions(launch: &Launch, s: &Stack) -> anyhow::Result<Vec<Function>> {
     let api = ApiGatewayEvent::new("GET", &format!("/tasks/{}", s.task.as_ref())).iam_caller().to_json();
     let letter = relay_shared::deadletter::DeadLetter::new(
         &s.task,
-        &Delivery {
+        &IncomingResult {
             captcha_id: s.captcha_id.clone(),
             outcome: Outcome::Solved(Solution::parse("03AGdBq2-redriven")?),
             received_at: SystemClock.now(),

@@ -10,7 +10,7 @@
 use proptest::prelude::*;
 use relay_shared::codes::ErrorCode;
 use relay_shared::domain::{
-    Applied, CaptchaId, CaptchaKind, Delivery, Outcome, Solution, Task, TaskRef, TaskState, Via,
+    Applied, CaptchaId, CaptchaKind, IncomingResult, Outcome, Solution, Task, TaskRef, TaskState, Via,
 };
 use relay_shared::store::{Created, RecordOutcome, SubmitRecorded};
 use relay_shared::time::Timestamp;
@@ -57,7 +57,7 @@ fn cid(n: u8) -> CaptchaId {
     CaptchaId::parse(&format!("7100000{n}")).unwrap_or_else(|_| unreachable!("valid id"))
 }
 
-fn delivery(id: u8, token: u8, error: bool, via: u8, received_at: Timestamp) -> Delivery {
+fn delivery(id: u8, token: u8, error: bool, via: u8, received_at: Timestamp) -> IncomingResult {
     let outcome = if error {
         Outcome::Failed(ErrorCode::parse(&format!("ERROR_CODE_{token}")).unwrap_or_else(|_| unreachable!()))
     } else {
@@ -66,7 +66,7 @@ fn delivery(id: u8, token: u8, error: bool, via: u8, received_at: Timestamp) -> 
     let via = [Via::Callback, Via::Poll, Via::Redrive][usize::from(via % 3)];
     // A pingback knows nothing of the issue time; a poll knows the last "not ready".
     let token_clock_start = if via == Via::Callback { t(0) } else { received_at };
-    Delivery { captcha_id: cid(id), outcome, received_at, via, token_clock_start }
+    IncomingResult { captcha_id: cid(id), outcome, received_at, via, token_clock_start }
 }
 
 fn held(s: &TaskState) -> Option<(Outcome, Timestamp)> {

@@ -2,7 +2,7 @@
 
 use super::*;
 use base64::Engine;
-use relay_shared::domain::{Delivery, Outcome, Solution};
+use relay_shared::domain::{IncomingResult, Outcome, Solution};
 
 const MULTIPART_BOUNDARY: &str = "----relayBoundaryX7MA4YWxk";
 
@@ -57,7 +57,7 @@ impl World {
         let r = TaskRef::from_compat_id(compat_id).expect("a compat id");
         let task = self.deps.store.get(&r).await.expect("get").expect("stored");
         let now = self.clock.now();
-        let d = Delivery {
+        let d = IncomingResult {
             captcha_id: task.captcha_id.expect("id"),
             outcome: Outcome::Solved(Solution::parse(token).expect("token")),
             received_at: now,
@@ -306,7 +306,7 @@ async fn res_php_answers_from_the_table_never_from_captchaai_and_never_hands_out
     let r = TaskRef::from_compat_id(&other)?;
     let task = w.deps.store.get(&r).await?.expect("stored");
     let now = w.clock.now();
-    let d = Delivery {
+    let d = IncomingResult {
         captcha_id: task.captcha_id.expect("id"),
         outcome: Outcome::Failed(relay_shared::codes::ErrorCode::parse("ERROR_CAPTCHA_UNSOLVABLE")?),
         received_at: now,

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use super::*;
-use crate::domain::{CaptchaId, CaptchaKind, Delivery, Outcome, Solution, Via};
+use crate::domain::{CaptchaId, CaptchaKind, IncomingResult, Outcome, Solution, Via};
 use crate::store::{Created, RecordOutcome, Stop};
 use crate::testkit::LocalDynamo;
 
@@ -43,7 +43,7 @@ async fn a_task_counts_in_work_from_its_send_to_its_result_or_its_longest_solve(
     store.mark_submitted(&task.task_ref, &id, t(1), t(21)).await?;
     assert_eq!(store.in_work(t(2)).await?.len(), 1);
     assert!(store.in_work(t(15)).await?.is_empty(), "past Turnstile's typical 15 s: likely done, its pingback lost");
-    let d = Delivery {
+    let d = IncomingResult {
         captcha_id: id,
         outcome: Outcome::Solved(Solution::parse("tok")?),
         received_at: t(5),
