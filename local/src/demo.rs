@@ -205,7 +205,7 @@ pub async fn run_demo(n: usize, data_dir: std::path::PathBuf, progress: bool) ->
             if resolved_at.contains_key(r.as_ref()) {
                 continue;
             }
-            if relay.store.get(r).await?.is_some_and(|t| t.state.is_final()) {
+            if relay.store.tasks().get(r).await?.is_some_and(|t| t.state.is_final()) {
                 resolved_at.insert(r.to_string(), at.elapsed());
                 resolving.inc(1);
             }
@@ -220,7 +220,7 @@ pub async fn run_demo(n: usize, data_dir: std::path::PathBuf, progress: bool) ->
     loop {
         let mut open = 0;
         for (r, _) in &pushed {
-            let status = relay.store.get(r).await?.and_then(|t| t.delivery).map(|d| d.status);
+            let status = relay.store.tasks().get(r).await?.and_then(|t| t.delivery).map(|d| d.status);
             open += usize::from(!matches!(
                 status,
                 Some(DeliveryStatus::Delivered | DeliveryStatus::Parked | DeliveryStatus::Gone)
@@ -256,7 +256,7 @@ pub async fn run_demo(n: usize, data_dir: std::path::PathBuf, progress: bool) ->
         ..DemoReport::default()
     };
     for (r, _) in &tasks {
-        let task = relay.store.get(r).await?.context("task vanished")?;
+        let task = relay.store.tasks().get(r).await?.context("task vanished")?;
         let want = task.captcha_id.as_ref().and_then(|id| fake.task(id.as_ref())).and_then(|t| t.answer);
         match &task.state {
             TaskState::Solved { solution, via, .. } if Some(solution.expose()) == want.as_deref() => match via {
@@ -328,7 +328,7 @@ async fn check_pushes(
         let got: Vec<&Hit> = hits.iter().filter(|h| &h.path == path).collect();
         let taken = got.iter().position(|h| (200..300).contains(&h.answered));
         report.push_failures += taken.unwrap_or(got.len());
-        let status = store.get(r).await?.and_then(|t| t.delivery).map(|d| d.status);
+        let status = store.tasks().get(r).await?.and_then(|t| t.delivery).map(|d| d.status);
         let never = path.starts_with(&format!("/{NEVER}/"));
         match (status, taken, never) {
             (Some(DeliveryStatus::Delivered), Some(0), false) => report.pushed_first_try += 1,

@@ -25,6 +25,8 @@ const MAX_REQUEST: usize = 1024 * 1024;
 /// The handlers' dependencies.
 #[derive(Debug, Clone)]
 pub struct Relay {
+    /// The one table, whose handles every component holds.
+    pub store: relay_shared::store::TaskStore,
     pub api: relay_api::Deps,
     pub callback: relay_callback::Deps,
     /// Notified when the API queues a task: wakes the submitter ([`Relay::submitter`]).
@@ -56,7 +58,7 @@ impl Relay {
         Self {
             submit_wake: submit_wake.clone(),
             api: relay_api::Deps {
-                store: store.clone(),
+                store: relay_api::Store::new(&store),
                 captchaai: p.captchaai,
                 signer: signer.clone(),
                 auth: relay_shared::http::Authorizer::api_key(&p.api_key),
@@ -75,12 +77,13 @@ impl Relay {
                 delivery_policy: p.delivery_policy,
             },
             callback: relay_callback::Deps {
-                store,
+                results: store.results(),
                 signer,
                 clock: p.clock,
                 dead_letters: p.dead_letters,
                 recent: relay_callback::RecentResults::default(),
             },
+            store,
         }
     }
 }
@@ -90,7 +93,7 @@ impl Relay {
     /// it with [`relay_submitter::serve_local`] and [`Relay::submit_wake`].
     pub fn submitter(&self, owner: &str) -> relay_submitter::Deps {
         relay_submitter::Deps {
-            store: self.api.store.clone(),
+            store: relay_submitter::Store::new(&self.store),
             captchaai: self.api.captchaai.clone(),
             dead_letters: self.api.dead_letters.clone(),
             grace: self.api.callback_grace.clone(),

@@ -305,7 +305,7 @@ async fn run(cmd: Cmd) -> anyhow::Result<std::process::ExitCode> {
             let owner = relay_shared::store::retention::erasure_owner(key.as_deref(), owner.as_deref())
                 .map_err(anyhow::Error::msg)?;
             let opened = relay_local::ops::open_store(&data_dir).await?;
-            let removed = opened.store.erase_owner(&owner).await?;
+            let removed = opened.store.retention().erase_owner(&owner).await?;
             relay_local::retention::compact(&data_dir.join("tasks.sqlite")).await?;
             println!("erased {} task(s) of `{owner}` ({} items read)", removed.deleted, removed.scanned);
             Ok(std::process::ExitCode::SUCCESS)

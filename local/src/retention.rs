@@ -46,7 +46,7 @@ impl Sweep {
     /// One pass at the clock's now.
     pub async fn pass(&self) -> anyhow::Result<Swept> {
         let now = self.clock.now();
-        let removed = self.store.sweep_expired(now, SWEEP_MAX).await.context("sweeping the task table")?;
+        let removed = self.store.retention().sweep_expired(now, SWEEP_MAX).await.context("sweeping the task table")?;
         let letters = self.queue.purge_before(now.minus(self.retention).as_millis()).context("purging dead letters")?;
         let mut swept = Swept { tasks: removed.deleted, letters, compacted: false };
         if removed.deleted > 0 {

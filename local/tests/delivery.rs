@@ -150,7 +150,7 @@ async fn every_token_reaches_a_failing_owner_alive_through_a_sigkill() -> anyhow
     let store = relay_local::run::running_store(&data).await?;
     let mut stored = Vec::new();
     for (r, path) in &tasks {
-        let task = store.get(&TaskRef::parse(r)?).await?.ok_or_else(|| anyhow::anyhow!("{r} is gone"))?;
+        let task = store.tasks().get(&TaskRef::parse(r)?).await?.ok_or_else(|| anyhow::anyhow!("{r} is gone"))?;
         stored.push((task, path.clone()));
     }
     // A task whose in.php call the SIGKILL cut (the client's one request in flight at the kill)

@@ -82,7 +82,7 @@ async fn until_task(
 ) -> anyhow::Result<relay_shared::domain::Task> {
     let until = Instant::now() + Duration::from_secs(30);
     loop {
-        let task = relay.store.get(r).await?.context("task vanished")?;
+        let task = relay.store.tasks().get(r).await?.context("task vanished")?;
         if done(&task) {
             return Ok(task);
         }
@@ -129,7 +129,11 @@ async fn parked_pushes_are_listed_and_replayed_on_a_running_and_a_stopped_relay(
     assert!(err.contains("running relay"), "{err}");
     let delivered = |t: &relay_shared::domain::Task| status(t) == Some(DeliveryStatus::Delivered);
     until_task(&running, &a, "delivered after its replay", delivered).await?;
-    assert_eq!(status(&running.store.get(&b).await?.context("b")?), Some(DeliveryStatus::Parked), "b not named");
+    assert_eq!(
+        status(&running.store.tasks().get(&b).await?.context("b")?),
+        Some(DeliveryStatus::Parked),
+        "b not named"
+    );
 
     // Stopped: the command opens the relay's files; the replayed push goes out when it starts.
     running.shutdown().await;
@@ -222,7 +226,7 @@ async fn poisoned_dead_letters_are_listed_redacted_and_only_the_picked_ones_repl
     let redriven = |t: &relay_shared::domain::Task| matches!(t.state, TaskState::Solved { via: Via::Redrive, .. });
     let task = until_task(&running, &a, "applied from its replayed letter", redriven).await?;
     assert!(matches!(&task.state, TaskState::Solved { solution, .. } if solution.expose() == "secret-token-aaaa"));
-    assert!(!running.store.get(&b).await?.context("b")?.state.is_final(), "b's letter was not picked");
+    assert!(!running.store.tasks().get(&b).await?.context("b")?.state.is_final(), "b's letter was not picked");
 
     // Running: the other one, by its task.
     let (code, out, err) = relay_local(&dir, &["dead-letters", "list"]).await?;

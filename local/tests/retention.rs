@@ -104,7 +104,7 @@ async fn past_its_retention_a_result_is_refused_and_gone_from_the_disk_and_erasu
     // Day 0: two owners' tasks solved — local mode's own key and a relay key.
     let relay = start(&cfg, Options { fake: Some(fake()), ..Options::default() }).await?;
     let key = relay.api_key.clone();
-    let other = relay.store.create_relay_key("leaver", SystemClock.now()).await?;
+    let other = relay.store.key_admin().create_relay_key("leaver", SystemClock.now()).await?;
     let other = secrecy::ExposeSecret::expose_secret(&other).to_owned();
     let kept_ids = submit(&http, &relay, &key, 10).await?;
     let erased_ids = submit(&http, &relay, &other, 5).await?;
@@ -153,7 +153,7 @@ async fn past_its_retention_a_result_is_refused_and_gone_from_the_disk_and_erasu
     ensure!(gone, "solutions still in the data directory 20 s after the restart");
     for id in &kept_ids {
         let r = relay_shared::domain::TaskRef::from_compat_id(id)?;
-        ensure!(relay.store.get(&r).await?.is_none(), "{id} still in the table");
+        ensure!(relay.store.tasks().get(&r).await?.is_none(), "{id} still in the table");
     }
     println!(
         "| solutions handed out past retention (of 10) | 0 |\n\

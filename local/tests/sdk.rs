@@ -80,8 +80,12 @@ async fn client(program: &str, script: &Path, env: &[(&str, String)], limit: Dur
 
 /// What the fake produced for the task behind a compat id.
 async fn fake_answer(relay: &Running, compat_id: &str) -> anyhow::Result<String> {
-    let task =
-        relay.store.get(&TaskRef::from_compat_id(compat_id)?).await?.with_context(|| format!("no task {compat_id}"))?;
+    let task = relay
+        .store
+        .tasks()
+        .get(&TaskRef::from_compat_id(compat_id)?)
+        .await?
+        .with_context(|| format!("no task {compat_id}"))?;
     let id = task.captcha_id.with_context(|| format!("task {compat_id} has no CaptchaAI id"))?;
     let fake = relay.fake.as_ref().context("the built-in fake")?;
     fake.task(id.as_ref()).and_then(|t| t.answer).with_context(|| format!("the fake has no answer for {id}"))
@@ -130,7 +134,7 @@ async fn the_official_sdks_unmodified_solve_every_kind_through_the_relay_with_30
     let server = tls.trim_start_matches("https://").to_owned();
     let ca = relay.ca_path.clone().context("the CA path")?.display().to_string();
     // A key made as the operator command makes one, and local mode's own API key: both work.
-    let made = relay.store.create_relay_key("python-sdk", SystemClock.now()).await?;
+    let made = relay.store.key_admin().create_relay_key("python-sdk", SystemClock.now()).await?;
     let image = dir.join("captcha.png");
     std::fs::write(&image, PNG)?;
     let image = image.display().to_string();

@@ -102,7 +102,8 @@ async fn check(name: &str, v: &Value, fake: &FakeCaptchaAi, data: &Path) -> anyh
         callback_requests: v["callback_requests"].to_string(),
     };
     for id in &submitted {
-        let task = store.get(&TaskRef::from_compat_id(id)?).await?.with_context(|| format!("{name}: no task {id}"))?;
+        let task =
+            store.tasks().get(&TaskRef::from_compat_id(id)?).await?.with_context(|| format!("{name}: no task {id}"))?;
         let captcha_id = task.captcha_id.clone().with_context(|| format!("{name}: {id} has no CaptchaAI id"))?;
         let at_fake =
             fake.task(captcha_id.as_ref()).with_context(|| format!("{name}: the fake has no {captcha_id}"))?;

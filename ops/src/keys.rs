@@ -116,14 +116,14 @@ pub async fn create(
     if !valid_name(name) {
         return Err(KeysError::BadName(name.to_owned()));
     }
-    let key = store.create_relay_key_with(name, pingback, now).await?;
+    let key = store.key_admin().create_relay_key_with(name, pingback, now).await?;
     let digest = digest_of(&key);
     Ok(Created { key, digest })
 }
 
 /// Sets the pingback form of every live key named `name`; an error if none is live.
 pub async fn set_pingback(store: &TaskStore, name: &str, pingback: PingbackForm) -> Result<usize, KeysError> {
-    match store.set_relay_key_pingback(name, pingback).await? {
+    match store.key_admin().set_relay_key_pingback(name, pingback).await? {
         0 => Err(KeysError::NoneMatched(format!("no live relay key is named `{name}`"))),
         n => Ok(n),
     }
@@ -153,7 +153,7 @@ impl From<&KeyInfo> for Row {
 
 /// Every key, live and revoked, oldest first.
 pub async fn list(store: &TaskStore) -> Result<Vec<Row>, KeysError> {
-    Ok(store.list_relay_keys().await?.iter().map(Row::from).collect())
+    Ok(store.key_admin().list_relay_keys().await?.iter().map(Row::from).collect())
 }
 
 fn when(t: Option<Timestamp>) -> String {
@@ -225,7 +225,7 @@ pub fn render_json(rows: &[Row]) -> serde_json::Value {
 /// Returns how many were revoked; revoking nothing is an error saying why.
 pub async fn revoke(store: &TaskStore, name: &str, prefix: Option<&str>, now: Timestamp) -> Result<usize, KeysError> {
     let prefix = prefix.map(digest_prefix).transpose()?;
-    let all = store.list_relay_keys().await?;
+    let all = store.key_admin().list_relay_keys().await?;
     let named: Vec<&KeyInfo> = all.iter().filter(|k| k.name == name).collect();
     let live: Vec<&KeyInfo> = named
         .iter()
@@ -251,7 +251,7 @@ pub async fn revoke(store: &TaskStore, name: &str, prefix: Option<&str>, now: Ti
             digests: live.iter().map(|k| k.digest.chars().take(SHOWN_DIGITS + 4).collect()).collect(),
         });
     }
-    let n = store.revoke_relay_keys(name, prefix.as_deref(), now).await?;
+    let n = store.key_admin().revoke_relay_keys(name, prefix.as_deref(), now).await?;
     if n == 0 {
         // Revoked by someone else between the listing and the write.
         return Err(KeysError::NoneMatched(format!("the matching key named `{name}` was revoked meanwhile")));

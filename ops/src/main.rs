@@ -239,14 +239,14 @@ async fn webhooks(store: &relay_shared::store::TaskStore, cmd: WebhooksCmd) -> a
     match cmd {
         WebhooksCmd::Rotate { owner } => {
             let (_, new) = WebhookSecret::generate();
-            let current = store.webhook_secrets(&owner).await?;
+            let current = store.pushes().webhook_secrets(&owner).await?;
             let previous = current.as_deref().and_then(|c| c.split([',', ' ']).find(|p| !p.trim().is_empty()));
             let text = match previous {
                 Some(p) => format!("{new},{}", p.trim()),
                 None => new.clone(),
             };
             SigningKeys::parse_list(&text)?;
-            store.put_webhook_secrets(&owner, &text).await?;
+            store.pushes().put_webhook_secrets(&owner, &text).await?;
             println!("{new}");
             eprintln!(
                 "pushes for `{owner}` are now signed with this secret{}; within a minute every worker uses it",
@@ -254,12 +254,12 @@ async fn webhooks(store: &relay_shared::store::TaskStore, cmd: WebhooksCmd) -> a
             );
         }
         WebhooksCmd::Retire { owner } => {
-            let Some(current) = store.webhook_secrets(&owner).await? else {
+            let Some(current) = store.pushes().webhook_secrets(&owner).await? else {
                 anyhow::bail!("`{owner}` has no secret of its own (its pushes use the deployment's WEBHOOK_SECRETS)");
             };
             let first = current.split([',', ' ']).find(|p| !p.trim().is_empty()).unwrap_or_default().trim();
             SigningKeys::parse_list(first)?;
-            store.put_webhook_secrets(&owner, first).await?;
+            store.pushes().put_webhook_secrets(&owner, first).await?;
             eprintln!("`{owner}`'s pushes are signed with its current secret only");
         }
     }
@@ -334,7 +334,7 @@ async fn main() -> anyhow::Result<()> {
         Cmd::Erase { key, owner } => {
             let owner = relay_shared::store::retention::erasure_owner(key.as_deref(), owner.as_deref())
                 .map_err(anyhow::Error::msg)?;
-            let removed = task_store(&aws, cli.table_name)?.erase_owner(&owner).await?;
+            let removed = task_store(&aws, cli.table_name)?.retention().erase_owner(&owner).await?;
             println!("erased {} task(s) of `{owner}` ({} items read)", removed.deleted, removed.scanned);
             return Ok(());
         }
@@ -345,7 +345,7 @@ async fn main() -> anyhow::Result<()> {
         }
         Cmd::Shards { count } => {
             let store = task_store(&aws, cli.table_name)?;
-            let rows = store.shard_entries(relay_shared::store::MAX_POLL_SHARDS).await?;
+            let rows = store.poll().shard_entries(relay_shared::store::MAX_POLL_SHARDS).await?;
             print!("{}", relay_ops::shards_report(&rows, count));
             return Ok(());
         }
@@ -355,10 +355,10 @@ async fn main() -> anyhow::Result<()> {
         let store = task_store(&aws, cli.table_name)?;
         let now = relay_shared::time::Clock::now(&relay_shared::time::SystemClock);
         if matches!(cmd, BreakerCmd::Close) {
-            store.close_breaker().await?;
+            store.account().close_breaker().await?;
             eprintln!("breaker closed: CaptchaAI traffic resumes with the next poller pass");
         }
-        let b = store.breaker().await?;
+        let b = store.account().breaker().await?;
         match b.open_at(now).or(b.open_for_submits_at(now)) {
             Some(until) => println!(
                 "OPEN until {until} ({} s left) because {}{}",

@@ -7,10 +7,10 @@ use relay_shared::time::Timestamp;
 /// What `relay-ops queue` prints: depth per lane and its oldest task's wait, the submitter's
 /// lease, its learnt window, the inline permits and the release rate.
 pub async fn report(store: &TaskStore, now: Timestamp) -> anyhow::Result<String> {
-    let st = store.submit_state().await?;
+    let st = store.queue().submit_state().await?;
     let mut out = format!("queued: {} in {} lane(s)\n", st.queued, st.lanes.len());
     for (lane, n) in &st.lanes {
-        let oldest = store.queue_heads(lane, 1).await?.first().map(|h| now.since(h.queued_at).as_secs());
+        let oldest = store.queue().queue_heads(lane, 1).await?.first().map(|h| now.since(h.queued_at).as_secs());
         let class = if lane.ends_with(".i") { "images" } else { "tokens" };
         match oldest {
             Some(secs) => out.push_str(&format!("  lane {lane} ({class}): {n} waiting, the oldest for {secs} s\n")),

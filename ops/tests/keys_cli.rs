@@ -117,14 +117,14 @@ async fn queue_shows_each_lane_its_oldest_wait_the_submitter_and_its_window() ->
             now.minus(std::time::Duration::from_secs(42)),
             lane.into(),
         );
-        store.reserve_queue(lane, 0, 10, 10, false).await?;
+        store.queue().reserve_queue(lane, 0, 10, 10, false).await?;
         let req = SubmitRequest::Turnstile {
             sitekey: "s".into(),
             pageurl: "https://a.example/".into(),
             action: None,
             data: None,
         };
-        store.create_queued(&task, &req, "https://relay/cb", std::time::Duration::from_secs(110), None).await?;
+        store.queue().create_queued(&task, &req, "https://relay/cb", std::time::Duration::from_secs(110), None).await?;
     }
     let window = r#"{"size":5.0,"full_at":6,"full_seen_ms":0}"#;
     let publish = relay_shared::store::Publish {
@@ -133,7 +133,10 @@ async fn queue_shows_each_lane_its_oldest_wait_the_submitter_and_its_window() ->
         released_per_minute: 120,
         api_no_slots_seen: 0,
     };
-    store.releaser_lease("submitter-test", now, now.plus(std::time::Duration::from_secs(10)), Some(&publish)).await?;
+    store
+        .queue()
+        .releaser_lease("submitter-test", now, now.plus(std::time::Duration::from_secs(10)), Some(&publish))
+        .await?;
     let out = relay_ops(ep, table, &["queue"]).await?;
     let shown = text(&out.stdout);
     assert!(out.status.success(), "{}", text(&out.stderr));

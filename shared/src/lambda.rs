@@ -6,7 +6,7 @@
 
 use std::future::Future;
 
-use crate::store::TaskStore;
+use crate::store::Table;
 
 /// What a function's `main` gets from its cold start.
 pub struct ColdStart<D> {
@@ -15,11 +15,11 @@ pub struct ColdStart<D> {
 }
 
 /// Starts `service`: logs, metrics, `deps` (awaited), then a bounded warm-up of the store
-/// `store` picks out of them (a failure only means the first request connects itself).
+/// table `store` picks out of them (any handle of it) (a failure only means the first request connects itself).
 pub async fn cold_start<D>(
     service: &'static str,
     deps: impl Future<Output = anyhow::Result<D>>,
-    store: impl FnOnce(&D) -> &TaskStore,
+    store: impl FnOnce(&D) -> &Table,
 ) -> Result<ColdStart<D>, lambda_http::Error> {
     crate::telemetry::init();
     let metrics = crate::telemetry::cold_start(crate::telemetry::metrics_init(service))?;

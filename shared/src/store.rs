@@ -72,11 +72,13 @@ impl std::fmt::Debug for PushNotifier {
     }
 }
 
-/// The DynamoDB task store. Cheap to clone.
+/// The table, as this process reaches it: what every handle holds (cheap to clone). Its public
+/// face is only what any function may ask whatever its grants: the table's name, how its
+/// indexes are spread, the connection's warm-up.
 #[derive(Debug, Clone)]
-pub struct TaskStore {
+pub struct Table {
     client: Client,
-    table: String,
+    table: std::sync::Arc<str>,
     retention: Duration,
     pushes: Option<PushNotifier>,
     /// Told of every result this store records (a CaptchaAI thread freed).
@@ -86,67 +88,115 @@ pub struct TaskStore {
     queue_shards: u8,
 }
 
+/// The DynamoDB task store: one table, built once at cold start, handing out a handle per
+/// concern — [`Tasks`], [`Results`], [`PollIndex`], [`Account`], [`SubmitQueue`], [`Pushes`],
+/// [`KeyAdmin`], [`Retention`]. A function's `Deps` holds the handles it uses, which match the
+/// IAM actions its role is granted in `template.yaml`. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct TaskStore(Table);
+
+impl std::ops::Deref for TaskStore {
+    type Target = Table;
+
+    fn deref(&self) -> &Table {
+        &self.0
+    }
+}
+
+/// Handles by concern: each a [`Table`] with its concern's calls (in the module of that name).
+macro_rules! handles {
+    ($($(#[$doc:meta])* $name:ident => $ctor:ident;)*) => {
+        $(
+            $(#[$doc])*
+            #[derive(Debug, Clone)]
+            pub struct $name(Table);
+
+            impl std::ops::Deref for $name {
+                type Target = Table;
+
+                fn deref(&self) -> &Table {
+                    &self.0
+                }
+            }
+        )*
+
+        impl TaskStore {
+            $(
+                #[doc = concat!("This table's [`", stringify!($name), "`].")]
+                pub fn $ctor(&self) -> $name {
+                    $name(self.0.clone())
+                }
+            )*
+        }
+    };
+}
+
+handles! {
+    /// A task before its result, and reading one: created (sent now or queued), submitted,
+    /// refused, forgotten ([`tasks`]). PutItem, UpdateItem, GetItem, DeleteItem.
+    Tasks => tasks;
+    /// Recording a result with one conditional write, and pinning the one shown ([`results`]).
+    /// UpdateItem.
+    Results => results;
+    /// The due-for-poll index: pages, claims, rescheduling, expiry ([`poll`]). Query on
+    /// `due-for-poll`, UpdateItem.
+    PollIndex => poll;
+    /// The account's per-second slots and its breaker ([`account`]). UpdateItem, GetItem.
+    Account => account;
+    /// The submit queue ([`queue`]). UpdateItem, GetItem, BatchGetItem, PutItem; Query and Scan
+    /// on `submit-queue`.
+    SubmitQueue => queue;
+    /// Pushes: the due-for-delivery index, claims and outcomes, host slots, webhook secrets
+    /// ([`deliveries`], [`hosts`]). GetItem, UpdateItem, PutItem; Query on `due-for-delivery`.
+    Pushes => pushes;
+    /// Relay keys, as operators manage them ([`relay_keys`]). PutItem, UpdateItem, Scan.
+    KeyAdmin => key_admin;
+    /// Retention: reads that refuse an item past it, the sweep, erasure ([`retention`]). GetItem,
+    /// Scan, DeleteItem.
+    Retention => retention;
+}
+
 impl TaskStore {
     pub fn new(client: Client, table: impl Into<String>, retention: Duration) -> Self {
-        Self {
+        Self(Table {
             client,
-            table: table.into(),
+            table: table.into().into(),
             retention,
             pushes: None,
             results: None,
             shards: Shards::default(),
             queue_shards: 1,
-        }
+        })
     }
 
     /// The same store, counting its submit queue over `n` items (1 to
     /// [`queue::MAX_QUEUE_SHARDS`]).
     #[must_use]
     pub fn with_queue_shards(mut self, n: u8) -> Self {
-        self.queue_shards = n.clamp(1, queue::MAX_QUEUE_SHARDS);
+        self.0.queue_shards = n.clamp(1, queue::MAX_QUEUE_SHARDS);
         self
     }
 
     /// The same store, spreading its indexes as `shards` says.
     #[must_use]
     pub fn with_shards(mut self, shards: Shards) -> Self {
-        self.shards = shards;
+        self.0.shards = shards;
         self
-    }
-
-    /// How this store spreads its sparse indexes.
-    pub fn shards(&self) -> Shards {
-        self.shards
-    }
-
-    /// How many items the submit queue's counts spread over.
-    pub fn queue_shards(&self) -> u8 {
-        self.queue_shards
     }
 
     /// The same store, notifying `n` of every result it records: how a submitter in the same
     /// process (local mode) hears at once that a thread is free, instead of at its next look.
     #[must_use]
     pub fn with_result_notifier(mut self, n: std::sync::Arc<tokio::sync::Notify>) -> Self {
-        self.results = Some(n);
+        self.0.results = Some(n);
         self
     }
 
     /// The same store, telling `n` of every push its writes make due.
     #[must_use]
     pub fn with_push_notifier(mut self, n: PushNotifier) -> Self {
-        self.pushes = Some(n);
+        self.0.pushes = Some(n);
         self
-    }
-
-    /// Tells the notifier, if any, that `task`'s push fell due at `at` (only for a task with
-    /// an owner callback: the others have no push).
-    fn push_due(&self, task: &Task, at: Timestamp) {
-        if let Some(n) = &self.pushes
-            && task.owner_callback.is_some()
-        {
-            (n.0)(DueDelivery { task_ref: task.task_ref.clone(), due_at: at });
-        }
     }
 
     /// A store built from the cold-start AWS configuration. Every call is bounded in time
@@ -165,20 +215,35 @@ impl TaskStore {
 
     /// The longest one store call takes before it fails (see [`Self::from_config`]).
     pub const CALL_TIMEOUT: Duration = Duration::from_secs(6);
+}
+
+impl Table {
+    /// How this store spreads its sparse indexes.
+    pub fn shards(&self) -> Shards {
+        self.shards
+    }
+
+    /// How many items the submit queue's counts spread over.
+    pub fn queue_shards(&self) -> u8 {
+        self.queue_shards
+    }
 
     pub fn table(&self) -> &str {
         &self.table
     }
 
+    /// Tells the notifier, if any, that `task`'s push fell due at `at` (only for a task with
+    /// an owner callback: the others have no push).
+    fn push_due(&self, task: &Task, at: Timestamp) {
+        if let Some(n) = &self.pushes
+            && task.owner_callback.is_some()
+        {
+            (n.0)(DueDelivery { task_ref: task.task_ref.clone(), due_at: at });
+        }
+    }
+
     fn ttl(&self, from: Timestamp) -> AttributeValue {
         n(from.plus(self.retention).as_secs())
-    }
-}
-
-impl TaskStore {
-    /// Reads a task (strongly consistent).
-    pub async fn get(&self, task_ref: &TaskRef) -> Result<Option<Task>, StoreError> {
-        self.get_item(task_ref).await?.as_ref().map(Task::try_from).transpose()
     }
 
     /// A task's item as stored (strongly consistent).
@@ -186,7 +251,7 @@ impl TaskStore {
         let out = self
             .client
             .get_item()
-            .table_name(&self.table)
+            .table_name(&*self.table)
             .key(attr::PK, s(task_ref.as_ref()))
             .consistent_read(true)
             .send()

@@ -22,7 +22,7 @@ use crate::config::{ConfigError, Settings};
 use crate::deadletter::{DeadLetter, DeadLetterSink};
 use crate::domain::{CaptchaId, Task, TaskState};
 use crate::retry::backoff_delay;
-use crate::store::{SubmitRecorded, TaskStore};
+use crate::store::{SubmitRecorded, TaskStore, Tasks};
 use crate::time::{Clock, Timestamp};
 
 /// What an in.php answer means for the task it was about.
@@ -224,7 +224,7 @@ pub struct StoreWaker(pub TaskStore);
 #[async_trait::async_trait]
 impl Waker for StoreWaker {
     async fn wake(&self, now: Timestamp) {
-        if let Err(e) = self.0.wake_submitter(now).await {
+        if let Err(e) = self.0.queue().wake_submitter(now).await {
             // The schedule starts one within a minute all the same.
             tracing::warn!(event = "wake_failed", error = %e, "could not wake the submitter");
         }
@@ -286,7 +286,8 @@ impl AdmissionHint {
 /// What recording an in.php answer needs.
 #[derive(Clone, Copy)]
 pub struct Recorder<'a> {
-    pub store: &'a TaskStore,
+    /// The task whose in.php answer this records (UpdateItem).
+    pub tasks: &'a Tasks,
     pub dead_letters: &'a dyn DeadLetterSink,
     pub clock: &'a dyn Clock,
 }
@@ -300,7 +301,7 @@ impl Recorder<'_> {
         metrics::counter!("submits", "outcome" => "accepted").increment(1);
         let mut last_err = None;
         for attempt in 1..=3u32 {
-            match self.store.mark_submitted(&task.task_ref, id, at, due).await {
+            match self.tasks.mark_submitted(&task.task_ref, id, at, due).await {
                 Ok(SubmitRecorded::Pending(t) | SubmitRecorded::AlreadyResolved(t)) => {
                     tracing::info!(event = "task_submitted", task_ref = %task.task_ref, captcha_id = %id, "in.php accepted the task");
                     return t;
@@ -340,7 +341,7 @@ impl Recorder<'_> {
         );
         tracing::warn!(event = "submit_unknown", task_ref = %task.task_ref, error = %err, "in.php outcome unknown; not retried, not failed");
         metrics::counter!("submits", "outcome" => "unknown").increment(1);
-        if let Err(e) = self.store.mark_submit_unknown(&task.task_ref, &detail).await {
+        if let Err(e) = self.tasks.mark_submit_unknown(&task.task_ref, &detail).await {
             tracing::error!(event = "store_failed", error = %e, "could not mark the submit unknown");
         }
         Task { state: TaskState::Submitting { unknown: Some(detail) }, ..task.clone() }

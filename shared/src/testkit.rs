@@ -35,7 +35,7 @@ pub async fn sends<'a>(
     let mut s = Sends::default();
     for (r, n) in per_ref.into_iter().filter(|(_, n)| *n > 1) {
         let resent = match crate::domain::TaskRef::parse(r) {
-            Ok(r) => store.get(&r).await?.is_some_and(|t| t.resent_at.is_some()),
+            Ok(r) => store.tasks().get(&r).await?.is_some_and(|t| t.resent_at.is_some()),
             Err(_) => false,
         };
         if n == 2 && resent {

@@ -142,7 +142,7 @@ mod tests {
         // When the store warms up, then serves its first request
         let warmed = store.warm_up(WARM_UP_LIMIT).await;
         let after_warm_up = accepted.load(Ordering::SeqCst);
-        let task = store.get(&TaskRef::generate()).await.expect("the first request");
+        let task = store.tasks().get(&TaskRef::generate()).await.expect("the first request");
         // Then the warm-up opened the one connection, and the first request used it
         assert!(matches!(warmed, Warmed::Open(_)), "{warmed:?}");
         assert_eq!(after_warm_up, 1);

@@ -6,17 +6,45 @@ use relay_shared::captchaai::CaptchaAiClient;
 use relay_shared::deadletter::{DeadLetterSink, SqsQueue};
 use relay_shared::http::Authorizer;
 use relay_shared::signing::CallbackSigner;
-use relay_shared::store::TaskStore;
+use relay_shared::store::{Account, Results, Retention, SubmitQueue, TaskStore, Tasks};
 use relay_shared::submit::{QueueSettings, Waker};
 use relay_shared::time::Clock;
 use relay_shared::webhook::UrlPolicy;
 
 use crate::compat_state::CompatState;
 
+/// The task table as the API uses it: a handle per concern it touches, as its role is granted
+/// (PutItem, UpdateItem, GetItem, DeleteItem on the table; Query on `submit-queue`).
+#[derive(Debug, Clone)]
+pub struct Store {
+    /// Submits: the task created, in.php's answer, a task in.php never took forgotten; reads.
+    pub tasks: Tasks,
+    /// The result shown, pinned.
+    pub results: Results,
+    /// Permits, the queue, a queued task's place.
+    pub queue: SubmitQueue,
+    /// The in.php pace and the breaker.
+    pub account: Account,
+    /// Reads that refuse what is past its retention.
+    pub retention: Retention,
+}
+
+impl Store {
+    pub fn new(store: &TaskStore) -> Self {
+        Self {
+            tasks: store.tasks(),
+            results: store.results(),
+            queue: store.queue(),
+            account: store.account(),
+            retention: store.retention(),
+        }
+    }
+}
+
 /// What the handler needs, built once at cold start.
 #[derive(Debug, Clone)]
 pub struct Deps {
-    pub store: TaskStore,
+    pub store: Store,
     pub captchaai: CaptchaAiClient,
     pub signer: CallbackSigner,
     pub auth: Authorizer,
@@ -67,7 +95,7 @@ impl Deps {
             compat: CompatState::default(),
             admission: Default::default(),
             delivery_policy: relay_shared::delivery::url_policy(&env)?,
-            store,
+            store: Store::new(&store),
             captchaai: CaptchaAiClient::new(
                 &cfg.captchaai.base_url,
                 key,

@@ -27,7 +27,7 @@ mod request;
 mod submit;
 mod tasks;
 
-pub use deps::Deps;
+pub use deps::{Deps, Store};
 pub use relay_shared::submit::SUBMITS_PER_SECOND;
 pub use request::{MAX_BODY, MAX_IDEMPOTENCY_KEY};
 

@@ -7,6 +7,6 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[tokio::main]
 async fn main() -> Result<(), lambda_runtime::Error> {
-    let ColdStart { metrics, deps } = cold_start("api", relay_api::Deps::from_env(), |d| &d.store).await?;
+    let ColdStart { metrics, deps } = cold_start("api", relay_api::Deps::from_env(), |d| &*d.store.tasks).await?;
     metrics_cloudwatch_embedded::lambda::handler::run_http(metrics, |req| relay_api::handle(req, &deps)).await
 }

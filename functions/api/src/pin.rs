@@ -22,7 +22,7 @@ pub(crate) async fn pin(mut task: Task, deps: &Deps) -> Result<Task, Pin> {
         if !task.needs_pin(now) {
             return Ok(task);
         }
-        match deps.store.mark_handed_out(&task, now).await {
+        match deps.store.results.mark_handed_out(&task, now).await {
             Ok(None) => return Ok(Task { handed_out_at: Some(now), ..task }),
             Ok(Some(current)) => task = current,
             Err(e) => return Err(Pin::Store(e)),

@@ -49,7 +49,7 @@ pub(crate) async fn submit_task(req: &Request, deps: &Deps, input: SubmitInput) 
         let held = if deps.admission.queue_waiting(now) {
             Some(HeldBack::OthersWaiting)
         } else {
-            match deps.store.take_permit(now, initial).await {
+            match deps.store.queue.take_permit(now, initial).await {
                 Ok(Permit::Taken) => None,
                 Ok(Permit::Refused(state)) => {
                     deps.admission.saw(&state, now);
@@ -71,7 +71,7 @@ pub(crate) async fn submit_task(req: &Request, deps: &Deps, input: SubmitInput) 
         }
         // Paced account-wide, so a burst of submits never earns MAX_USER_TURN; over the pace,
         // the task waits in the queue instead.
-        match deps.store.take_submit_slot(now, deps.queue.submits_per_second).await {
+        match deps.store.account.take_submit_slot(now, deps.queue.submits_per_second).await {
             Ok(true) => {}
             Ok(false) => {
                 give_back_permit(deps).await;
@@ -89,7 +89,7 @@ pub(crate) async fn submit_task(req: &Request, deps: &Deps, input: SubmitInput) 
         // again, once, or expires it).
         let grace = deps.callback_grace.for_kind(kind);
         let deadline = now.plus(deadline_after(deps, kind));
-        match deps.store.create_sendable(&task, deadline, fp, Some((&submit, &pingback))).await {
+        match deps.store.tasks.create_sendable(&task, deadline, fp, Some((&submit, &pingback))).await {
             Ok(Created::New) => {}
             Ok(Created::Existing { task, fingerprint: stored }) => {
                 give_back_permit(deps).await;
@@ -100,7 +100,7 @@ pub(crate) async fn submit_task(req: &Request, deps: &Deps, input: SubmitInput) 
                 return Submitted::Store(e);
             }
         }
-        let recorder = Recorder { store: &deps.store, dead_letters: deps.dead_letters.as_ref(), clock: deps.clock.as_ref() };
+        let recorder = Recorder { tasks: &deps.store.tasks, dead_letters: deps.dead_letters.as_ref(), clock: deps.clock.as_ref() };
         match InPhp::of(deps.captchaai.submit(&submit, &pingback).await) {
             InPhp::Accepted(id) => Submitted::Accepted(recorder.accepted(&task, &id, grace).await),
             InPhp::Unknown(err) => Submitted::Accepted(recorder.unknown(&task, &err).await),
@@ -114,7 +114,7 @@ pub(crate) async fn submit_task(req: &Request, deps: &Deps, input: SubmitInput) 
                 let at = deps.clock.now();
                 let until = at.plus(b.duration);
                 let stop = relay_shared::store::Stop::Ban { needs_operator: b.needs_operator };
-                if let Err(e) = deps.store.open_breaker(until, &code, stop, at).await {
+                if let Err(e) = deps.store.account.open_breaker(until, &code, stop, at).await {
                     tracing::error!(event = "breaker_store_failed", error = %e);
                 }
                 metrics::counter!("breaker_opened", "reason" => if b.needs_operator { "key_rejected" } else { "ban" })

@@ -140,7 +140,7 @@ pub(crate) async fn submit(req: &Request, deps: &Deps) -> Result<Response<Body>,
 pub(crate) async fn get_task(raw: &str, deps: &Deps) -> Result<Response<Body>, Response<Body>> {
     let task_ref = TaskRef::parse(raw).map_err(|e| problem(404, "unknown_task", format!("no such task: {e}")))?;
     // Past its retention a task is unknown, whether or not the table still holds it.
-    match deps.store.get_retained(&task_ref, deps.clock.now()).await {
+    match deps.store.retention.get_retained(&task_ref, deps.clock.now()).await {
         Ok(Some(task)) => {
             let now = deps.clock.now();
             let task = pinned(task, deps).await?;
@@ -168,7 +168,7 @@ async fn place_in_queue(
     now: Timestamp,
     q: &mut relay_shared::domain::QueueView,
 ) {
-    let ahead = match deps.store.queue_ahead(lane, queued_at, POSITION_CAP).await {
+    let ahead = match deps.store.queue.queue_ahead(lane, queued_at, POSITION_CAP).await {
         Ok(n) => n,
         Err(e) => {
             // The task itself was read: show it without a position rather than fail the read.
@@ -177,7 +177,7 @@ async fn place_in_queue(
         }
     };
     q.position = Some(ahead + 1);
-    if let Ok(state) = deps.store.submit_state().await
+    if let Ok(state) = deps.store.queue.submit_state().await
         && state.released_per_minute > 0
     {
         let owners = state

@@ -9,6 +9,7 @@ use relay_shared::captchaai::CaptchaAiClient;
 use relay_shared::domain::{TaskRef, TaskState};
 use relay_shared::http::Authorizer;
 use relay_shared::signing::CallbackSigner;
+use relay_shared::store::TaskStore;
 use relay_shared::submit::QueueSettings;
 use relay_shared::testkit::{ApiGatewayEvent, LocalDynamo};
 use relay_shared::time::{Clock, ManualClock, Timestamp};
@@ -27,6 +28,8 @@ struct World {
     fake: FakeCaptchaAi,
     clock: ManualClock,
     deps: Deps,
+    /// The table the deps' handles reach, for what the API itself never does.
+    store: TaskStore,
 }
 
 async fn world(cfg: FakeConfig) -> anyhow::Result<World> {
@@ -34,8 +37,9 @@ async fn world(cfg: FakeConfig) -> anyhow::Result<World> {
     // Pingbacks go to a closed port here: these tests look at the API alone.
     let fake = FakeCaptchaAi::start(FakeConfig { solve_delay_ms: 60_000, ..cfg }).await?;
     let clock = ManualClock::at(Timestamp::from_millis(1_796_210_146_000));
+    let store = db.fresh_store().await?;
     let deps = Deps {
-        store: db.fresh_store().await?,
+        store: crate::Store::new(&store),
         captchaai: CaptchaAiClient::new(
             &fake.base_url(),
             SecretString::from(fake.api_key()),
@@ -62,7 +66,7 @@ async fn world(cfg: FakeConfig) -> anyhow::Result<World> {
         admission: Default::default(),
         delivery_policy: UrlPolicy::AllowLoopback,
     };
-    Ok(World { _db: db, fake, clock, deps })
+    Ok(World { _db: db, fake, clock, deps, store })
 }
 
 const TURNSTILE: &str = r#"{"kind":"turnstile","sitekey":"0x4AAA","pageurl":"https://shop.example/login"}"#;
@@ -85,7 +89,7 @@ impl World {
 
     async fn state_of(&self, resp: &Response<Body>) -> TaskState {
         let r = TaskRef::parse(body(resp)["task_ref"].as_str().unwrap_or_default()).expect("task_ref in answer");
-        self.deps.store.get(&r).await.expect("get").expect("stored").state
+        self.deps.store.tasks.get(&r).await.expect("get").expect("stored").state
     }
 }
 
@@ -135,11 +139,11 @@ async fn the_first_poll_waits_the_grace_of_the_tasks_kind() -> anyhow::Result<()
     let image = body(&w.call(post(r#"{"kind":"image","body":"iVBORw0KGgo="}"#)).await)["task_ref"].clone();
     let turnstile = body(&w.call(post(TURNSTILE)).await)["task_ref"].clone();
     let due_at = |secs: u64| {
-        let (store, at) = (w.deps.store.clone(), w.clock.now().plus(Duration::from_secs(secs)));
+        let (store, at) = (w.store.clone(), w.clock.now().plus(Duration::from_secs(secs)));
         async move {
             let mut refs = Vec::new();
             for shard in 0..store.shards().read() {
-                let page = store.due_page(shard, at, 100, None).await.expect("query");
+                let page = store.poll().due_page(shard, at, 100, None).await.expect("query");
                 refs.extend(page.tasks.into_iter().map(|d| serde_json::json!(d.task.task_ref.to_string())));
             }
             refs
@@ -239,7 +243,7 @@ async fn an_explicit_no_slot_queues_the_task_and_the_submits_after_it_wait_behin
         assert!(first.get("captcha_id").is_none() && first.get("error").is_none(), "{first}");
         assert_eq!(w.fake.counts().in_php, 1, "{code}: one call, not a retry loop");
         assert!(matches!(w.state_of(&resp).await, TaskState::Queued { .. }));
-        let st = w.deps.store.submit_state().await?;
+        let st = w.deps.store.queue.submit_state().await?;
         let no_slot = u64::from(code != "ERROR_SERVER_ERROR");
         assert_eq!((st.queued, st.api_no_slots), (1, no_slot), "{code}");
         if no_slot == 1 {
@@ -264,13 +268,13 @@ async fn a_ban_is_not_retried_it_opens_the_breaker_and_the_task_waits_in_the_que
     let resp = w.call(post(TURNSTILE)).await;
     assert_eq!((resp.status().as_u16(), body(&resp)["status"].as_str()), (202, Some("queued")), "{}", body(&resp));
     assert_eq!(w.fake.counts().in_php, 1, "a ban is never retried in the request");
-    let b = w.deps.store.breaker().await?;
+    let b = w.deps.store.account.breaker().await?;
     assert_eq!(b.open_at(w.clock.now()), Some(w.clock.now().plus(Duration::from_secs(10))));
     // While it is open, nothing reaches CaptchaAI: submits wait in the queue.
     let blocked = w.call(post(TURNSTILE)).await;
     assert_eq!((blocked.status().as_u16(), body(&blocked)["status"].as_str()), (202, Some("queued")));
     assert_eq!(w.fake.counts().in_php, 1);
-    assert_eq!(w.deps.store.submit_state().await?.queued, 2);
+    assert_eq!(w.deps.store.queue.submit_state().await?.queued, 2);
 
     // A rejected key is an operator's problem: answered at once, nothing queued.
     let w = world(FakeConfig { submit_errors: vec!["ERROR_WRONG_USER_KEY".into()], ..FakeConfig::default() }).await?;
@@ -282,7 +286,7 @@ async fn a_ban_is_not_retried_it_opens_the_breaker_and_the_task_waits_in_the_que
         (503, Some("captchaai_unavailable"))
     );
     assert!(body(&blocked)["error"]["message"].as_str().unwrap_or_default().contains("operator"));
-    assert_eq!((w.fake.counts().in_php, w.deps.store.submit_state().await?.queued), (1, 0));
+    assert_eq!((w.fake.counts().in_php, w.deps.store.queue.submit_state().await?.queued), (1, 0));
     Ok(())
 }
 
@@ -324,7 +328,7 @@ async fn a_burst_above_the_plan_is_accepted_and_the_queue_is_bounded_per_owner_a
     let refused = w.call(compat("b")).await;
     let text = String::from_utf8_lossy(refused.body().as_ref()).into_owned();
     assert_eq!((refused.status().as_u16(), text.as_str()), (200, "ERROR_NO_SLOT_AVAILABLE"), "2captcha's 'try later'");
-    let st = w.deps.store.submit_state().await?;
+    let st = w.deps.store.queue.submit_state().await?;
     assert_eq!((st.queued, st.lanes.len(), w.fake.counts().in_php), (4, 2, 1));
     Ok(())
 }
@@ -395,7 +399,7 @@ async fn a_solution_is_handed_out_while_fresh_and_reported_expired_after() -> an
         via: relay_shared::domain::Via::Callback,
         token_clock_start: now,
     };
-    w.deps.store.record_result(&task_ref, &d).await?;
+    w.deps.store.results.record_result(&task_ref, &d).await?;
     let get =
         || ApiGatewayEvent::new("GET", &format!("/tasks/{task_ref}")).header("authorization", &format!("Bearer {KEY}"));
     let fresh = body(&w.call(get()).await);
@@ -431,18 +435,18 @@ async fn a_result_once_shown_is_pinned_and_an_earlier_received_one_replaces_it_o
     let get =
         || ApiGatewayEvent::new("GET", &format!("/tasks/{task_ref}")).header("authorization", &format!("Bearer {KEY}"));
     // Stored first: B, received now. Not shown yet, so A, received 2 s earlier, replaces it.
-    w.deps.store.record_result(&task_ref, &deliver("tok-b", 0)?).await?;
-    let replaced = w.deps.store.record_result(&task_ref, &deliver("tok-a", 2_000)?).await?;
+    w.deps.store.results.record_result(&task_ref, &deliver("tok-b", 0)?).await?;
+    let replaced = w.deps.store.results.record_result(&task_ref, &deliver("tok-a", 2_000)?).await?;
     assert!(matches!(replaced, RecordOutcome::Replaced(_)), "{replaced:?}");
     let shown = body(&w.call(get()).await);
     assert_eq!(shown["solution"], "tok-a");
     // Shown, hence pinned: a result received even earlier no longer replaces it.
-    let late = w.deps.store.record_result(&task_ref, &deliver("tok-c", 4_000)?).await?;
+    let late = w.deps.store.results.record_result(&task_ref, &deliver("tok-c", 4_000)?).await?;
     assert!(matches!(late, RecordOutcome::Conflict(_)), "{late:?}");
     w.clock.advance(Duration::from_secs(1));
     assert_eq!(body(&w.call(get()).await)["solution"], "tok-a", "the owner always sees the same token");
     assert_eq!(
-        w.deps.store.get(&task_ref).await?.and_then(|t| t.handed_out_at),
+        w.deps.store.tasks.get(&task_ref).await?.and_then(|t| t.handed_out_at),
         Some(now),
         "pinned once, by the first read that showed it"
     );

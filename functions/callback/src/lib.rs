@@ -14,7 +14,7 @@ use relay_shared::deadletter::{DeadLetter, DeadLetterSink, SqsQueue};
 use relay_shared::domain::{CaptchaId, IncomingResult, Outcome, Solution, TaskRef, Via};
 use relay_shared::http::{json, parse_form, path_segments, problem, query_string, with_header};
 use relay_shared::signing::CallbackSigner;
-use relay_shared::store::{RecordOutcome, TaskStore};
+use relay_shared::store::{RecordOutcome, Results, TaskStore};
 use relay_shared::time::{Clock, Timestamp};
 
 /// Largest pingback body accepted. Real ones are an id and a token of a few KiB.
@@ -23,7 +23,8 @@ pub const MAX_BODY: usize = 16 * 1024;
 /// What the handler needs, built once at cold start.
 #[derive(Debug, Clone)]
 pub struct Deps {
-    pub store: TaskStore,
+    /// Its one write (UpdateItem: the role's only action on the table).
+    pub results: Results,
     pub signer: CallbackSigner,
     pub clock: Arc<dyn Clock>,
     /// Where a result goes when it cannot be stored.
@@ -129,7 +130,7 @@ impl Deps {
             .await
             .context("loading the callback signing secret")?;
         Ok(Self {
-            store: TaskStore::from_config(&aws, &cfg.store),
+            results: TaskStore::from_config(&aws, &cfg.store).results(),
             signer: CallbackSigner::new(secret),
             clock: Arc::new(relay_shared::time::SystemClock),
             dead_letters: Arc::new(SqsQueue::new(aws_sdk_sqs::Client::new(&aws), cfg.dead_letter_queue_url)),
@@ -284,7 +285,7 @@ async fn handle_inner(req: Request, deps: &Deps) -> Result<Response<Body>, Respo
             metrics::counter!("callbacks", "outcome" => "duplicate").increment(1);
             return Ok(json(200, &serde_json::json!({ "outcome": "duplicate" })));
         }
-        let result = deps.store.record_result(&task_ref, &delivery).await;
+        let result = deps.results.record_result(&task_ref, &delivery).await;
         if let Ok(RecordOutcome::Recorded(_) | RecordOutcome::Duplicate(_) | RecordOutcome::Replaced(_)) = &result {
             deps.recent.remember(key);
         }
@@ -376,27 +377,30 @@ mod tests {
     struct World {
         _db: LocalDynamo,
         deps: Deps,
+        /// The table the deps write to, for arranging and reading back.
+        store: TaskStore,
     }
 
     async fn world() -> anyhow::Result<World> {
         let db = LocalDynamo::start().await?;
+        let store = db.fresh_store().await?;
         let deps = Deps {
-            store: db.fresh_store().await?,
+            results: store.results(),
             signer: CallbackSigner::new(SecretString::from("test-signing-secret".to_owned())),
             clock: Arc::new(ManualClock::at(Timestamp::from_millis(1_796_210_146_000))),
             dead_letters: Arc::new(MemorySink::default()),
             recent: RecentResults::default(),
         };
-        Ok(World { _db: db, deps })
+        Ok(World { _db: db, deps, store })
     }
 
     impl World {
         async fn pending_task(&self) -> anyhow::Result<TaskRef> {
             let now = self.deps.clock.now();
             let task = Task::new(TaskRef::generate(), CaptchaKind::Turnstile, now);
-            self.deps.store.create(&task, now, None).await?;
+            self.store.tasks().create(&task, now, None).await?;
             let id = CaptchaId::parse("777")?;
-            let SubmitRecorded::Pending(_) = self.deps.store.mark_submitted(&task.task_ref, &id, now, now).await?
+            let SubmitRecorded::Pending(_) = self.store.tasks().mark_submitted(&task.task_ref, &id, now, now).await?
             else {
                 anyhow::bail!("not pending")
             };
@@ -419,7 +423,7 @@ mod tests {
         }
 
         async fn state(&self, r: &TaskRef) -> TaskState {
-            self.deps.store.get(r).await.expect("get").expect("exists").state
+            self.store.tasks().get(r).await.expect("get").expect("exists").state
         }
     }
 
@@ -458,7 +462,7 @@ mod tests {
         let w = world().await?;
         let (client, counter) = w._db.counting_client();
         let counted = Deps {
-            store: TaskStore::new(client, w.deps.store.table(), std::time::Duration::from_secs(60)),
+            results: TaskStore::new(client, w.store.table(), std::time::Duration::from_secs(60)).results(),
             ..w.deps.clone()
         };
         let (r, other) = (w.pending_task().await?, w.pending_task().await?);
@@ -589,7 +593,7 @@ mod tests {
         assert_eq!(w.get(&w.path(&r), "id=778&code=tok").await.status(), 409, "wrong CaptchaAI id");
         assert_eq!(w.post(&w.path(&r), "id=778&code=tok").await.status(), 409);
         assert!(matches!(w.state(&r).await, TaskState::Pending { .. }), "still pending after all that");
-        assert_eq!(w.deps.store.get(&other).await?, None);
+        assert_eq!(w.store.tasks().get(&other).await?, None);
         Ok(())
     }
 
@@ -664,8 +668,11 @@ mod tests {
         let r = w.pending_task().await?;
         let flaky = FlakyDynamo::start(&w._db.endpoint).await?;
         let sink = MemorySink::default();
-        let deps =
-            Deps { store: flaky.store(w.deps.store.table()), dead_letters: Arc::new(sink.clone()), ..w.deps.clone() };
+        let deps = Deps {
+            results: flaky.store(w.store.table()).results(),
+            dead_letters: Arc::new(sink.clone()),
+            ..w.deps.clone()
+        };
         flaky.set_failing(true);
         let resp = respond(ApiGatewayEvent::new("GET", &w.path(&r)).query("id=777&code=tok-dl").build(), &deps).await;
         assert_eq!((resp.status().as_u16(), text(&resp).contains("dead_lettered")), (200, true), "{}", text(&resp));
@@ -689,11 +696,12 @@ mod tests {
         sink.fail.store(true, std::sync::atomic::Ordering::SeqCst);
         // Nothing listens on port 9 of loopback: every store call fails at the transport.
         let broken = Deps {
-            store: TaskStore::new(
+            results: TaskStore::new(
                 relay_shared::testkit::client_for("http://127.0.0.1:9"),
                 "tasks",
                 std::time::Duration::from_secs(60),
-            ),
+            )
+            .results(),
             dead_letters: Arc::new(sink.clone()),
             ..w.deps.clone()
         };

@@ -7,6 +7,6 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[tokio::main]
 async fn main() -> Result<(), lambda_runtime::Error> {
-    let ColdStart { metrics, deps } = cold_start("callback", relay_callback::Deps::from_env(), |d| &d.store).await?;
+    let ColdStart { metrics, deps } = cold_start("callback", relay_callback::Deps::from_env(), |d| &*d.results).await?;
     metrics_cloudwatch_embedded::lambda::handler::run_http(metrics, |req| relay_callback::handle(req, &deps)).await
 }

@@ -21,7 +21,7 @@ use crate::schedule::next_read_at;
 /// is due again at once (or when the breaker closes).
 pub(crate) async fn release(deps: &Deps, due: &DueTask, now: Timestamp) -> PollOutcome {
     let r = Reschedule { unread: true, ..Reschedule::at(now) };
-    match deps.store.reschedule(&due.task.task_ref, &deps.owner, r).await {
+    match deps.store.poll.reschedule(&due.task.task_ref, &deps.owner, r).await {
         Ok(_) => PollOutcome::Released,
         Err(e) => {
             tracing::error!(event = "poll_store_failed", task_ref = %due.task.task_ref, error = %e);
@@ -41,7 +41,7 @@ pub(crate) async fn read_one(
     // The breaker may have opened while this read waited for a permit: then it is not made.
     if shared.open_at(clock.now()).is_some() {
         let r = Reschedule { unread: true, ..Reschedule::at(clock.now()) };
-        return match deps.store.reschedule(&due.task.task_ref, &deps.owner, r).await {
+        return match deps.store.poll.reschedule(&due.task.task_ref, &deps.owner, r).await {
             Ok(_) => PollOutcome::Released,
             Err(_) => PollOutcome::Error,
         };
@@ -72,7 +72,7 @@ pub(crate) async fn read_batch(
             tracing::warn!(event = "batch_unsupported", error = %e, "res.php does not take batch reads; reading singly");
             shared.batch_unsupported.store(true, Ordering::SeqCst);
             // Remembered for every invocation from now on, not learnt again at a batch's cost.
-            if let Err(e) = deps.store.mark_batch_unsupported(clock.now()).await {
+            if let Err(e) = deps.store.account.mark_batch_unsupported(clock.now()).await {
                 tracing::error!(event = "poll_store_failed", error = %e);
             }
             for (due, _, _) in &chunk {
@@ -109,7 +109,7 @@ async fn apply_answer(
         Ok(ResAnswer::Ready(solution)) => record(deps, now, &due, Outcome::Solved(solution)).await,
         Ok(ResAnswer::NotReady) if last => {
             let reason = format!("no result within {} s of submit (last read: not ready)", s.task_deadline.as_secs());
-            match deps.store.expire(r, &reason, now, &deps.owner).await {
+            match deps.store.poll.expire(r, &reason, now, &deps.owner).await {
                 Ok(true) => {
                     tracing::info!(event = "task_expired", task_ref = %r, reason, last_read = true);
                     PollOutcome::Expired
@@ -160,7 +160,7 @@ async fn apply_answer(
 }
 
 async fn reschedule(deps: &Deps, due: &DueTask, r: Reschedule, applied: PollOutcome) -> PollOutcome {
-    match deps.store.reschedule(&due.task.task_ref, &deps.owner, r).await {
+    match deps.store.poll.reschedule(&due.task.task_ref, &deps.owner, r).await {
         Ok(_) => applied,
         Err(e) => {
             // The lease lapses and the next pass reads it again: nothing is lost.
@@ -183,7 +183,7 @@ async fn record(deps: &Deps, now: Timestamp, due: &DueTask, outcome: Outcome) ->
         token_clock_start: due.last_not_ready_at.unwrap_or_else(|| due.task.submitted_or_created_at()),
     };
     let r = &due.task.task_ref;
-    match deps.store.record_result(r, &d).await {
+    match deps.store.results.record_result(r, &d).await {
         Ok(RecordOutcome::Recorded(_)) => {
             tracing::info!(event = "poll_recovered", task_ref = %r, solved);
             if solved { PollOutcome::Recovered } else { PollOutcome::Failed }

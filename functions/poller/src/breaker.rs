@@ -45,7 +45,7 @@ pub(crate) async fn open_breaker(
     }
     metrics::counter!("breaker_opened", "reason" => breaker_reason_label(reason)).increment(1);
     tracing::warn!(event = "breaker_opened", reason, until = %until, ?stop, "CaptchaAI traffic stopped");
-    if let Err(e) = deps.store.open_breaker(until, reason, stop, now).await {
+    if let Err(e) = deps.store.account.open_breaker(until, reason, stop, now).await {
         // This invocation still stops; others learn of the ban from their own first answer.
         tracing::error!(event = "breaker_store_failed", error = %e);
     }

@@ -1,12 +1,12 @@
 //! The due list of one pass: the `due-for-poll` index's shards merged, oldest first.
 
-use relay_shared::store::{DueTask, TaskStore};
+use relay_shared::store::{DueTask, PollIndex};
 use relay_shared::time::Timestamp;
 
 /// The due list, oldest first across every shard (a k-way merge of per-shard index pages), so
 /// no shard waits while another drains.
 pub(crate) struct DueStream<'a> {
-    store: &'a TaskStore,
+    store: &'a PollIndex,
     now: Timestamp,
     page_size: i32,
     shards: Vec<ShardCursor>,
@@ -21,7 +21,7 @@ struct ShardCursor {
 }
 
 impl<'a> DueStream<'a> {
-    pub(crate) fn new(store: &'a TaskStore, now: Timestamp, page_size: i32) -> Self {
+    pub(crate) fn new(store: &'a PollIndex, now: Timestamp, page_size: i32) -> Self {
         let shards = (0..store.shards().read())
             .map(|shard| ShardCursor { shard, buffered: Default::default(), next_page: None, done: false })
             .collect();

@@ -30,7 +30,7 @@ pub async fn run_invocation(deps: &Deps, clock: Arc<dyn Clock>, deadline: Timest
     let read_until = start.plus(s.window).min(deadline.minus(s.safety_margin + s.read_allowance()));
     let hard_end = deadline.minus(s.safety_margin / 2);
     let shared = Arc::new(Shared::default());
-    let mut limiter = RateLimiter::new(s.requests_per_second, deps.store.clone());
+    let mut limiter = RateLimiter::new(s.requests_per_second, deps.store.account.clone());
     let mut report = TickReport::default();
     loop {
         if clock.now() >= read_until {
@@ -80,7 +80,7 @@ async fn pass(
     let s = &deps.settings;
     let now = clock.now();
     // The account-wide breaker first: a ban seen by anyone stops everyone.
-    match deps.store.breaker().await {
+    match deps.store.account.breaker().await {
         Ok(b) => {
             if let Some(until) = b.open_at(now) {
                 shared.open_until.fetch_max(until.as_millis(), Ordering::SeqCst);
@@ -100,7 +100,7 @@ async fn pass(
         return Some(until);
     }
 
-    let mut stream = DueStream::new(&deps.store, now, s.page_size);
+    let mut stream = DueStream::new(&deps.store.poll, now, s.page_size);
     let mut inflight = Reads::new(clock.clone(), hard_end);
     let mut batch: Vec<(DueTask, CaptchaId, bool)> = Vec::new();
     let mut work_left = false;
@@ -114,7 +114,7 @@ async fn pass(
         }
         let r = due.task.task_ref.clone();
         match decide(&due, now, s) {
-            Decision::Expire(reason) => match deps.store.expire(&r, &reason, now, &deps.owner).await {
+            Decision::Expire(reason) => match deps.store.poll.expire(&r, &reason, now, &deps.owner).await {
                 Ok(true) => {
                     tracing::info!(event = "task_expired", task_ref = %r, reason);
                     report.expired += 1;
@@ -122,7 +122,7 @@ async fn pass(
                 Ok(false) => report.lost_claims += 1,
                 Err(e) => store_error(report, &r, &e),
             },
-            Decision::Wait { until } => match deps.store.claim(&due, &deps.owner, until, false).await {
+            Decision::Wait { until } => match deps.store.poll.claim(&due, &deps.owner, until, false).await {
                 Ok(true) => report.parked += 1,
                 Ok(false) => report.lost_claims += 1,
                 Err(e) => store_error(report, &r, &e),
@@ -135,7 +135,7 @@ async fn pass(
                 Resent::Error => report.errors += 1,
             },
             Decision::Read { id, last } if s.batch && !shared.batch_unsupported.load(Ordering::SeqCst) => {
-                match deps.store.claim(&due, &deps.owner, now.plus(s.lease), true).await {
+                match deps.store.poll.claim(&due, &deps.owner, now.plus(s.lease), true).await {
                     Ok(true) => {
                         report.claimed += 1;
                         report.last_reads += u64::from(last);
@@ -164,7 +164,7 @@ async fn pass(
                     work_left = true;
                     break;
                 }
-                match deps.store.claim(&due, &deps.owner, now.plus(s.lease), true).await {
+                match deps.store.poll.claim(&due, &deps.owner, now.plus(s.lease), true).await {
                     Ok(true) => {
                         report.claimed += 1;
                         report.last_reads += u64::from(last);
@@ -204,7 +204,7 @@ async fn pass(
     }
     // Anything due after this pass's listing — including tasks that fell due while it ran, and
     // claims it gave back — is the next work.
-    match deps.store.next_due_after(now).await {
+    match deps.store.poll.next_due_after(now).await {
         Ok(next) => next,
         Err(e) => {
             tracing::error!(event = "poll_query_failed", error = %e);

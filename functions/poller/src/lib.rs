@@ -38,7 +38,7 @@ use std::sync::Arc;
 use relay_shared::captchaai::CaptchaAiClient;
 use relay_shared::config::Settings;
 use relay_shared::deadletter::{DeadLetterSink, SqsQueue};
-use relay_shared::store::TaskStore;
+use relay_shared::store::{Account, PollIndex, Results, SubmitQueue, TaskStore, Tasks};
 use relay_shared::time::Clock;
 
 pub use invocation::run_invocation;
@@ -47,10 +47,38 @@ pub use report::TickReport;
 pub use schedule::{Decision, NO_ID_GRACE, decide, next_poll_delay, next_read_at};
 pub use settings::PollerSettings;
 
+/// The task table as the poller uses it: a handle per concern it touches, as its role is
+/// granted (Query on `due-for-poll`; UpdateItem and GetItem on the table).
+#[derive(Debug, Clone)]
+pub struct Store {
+    /// The due-for-poll index: pages, claims, expiry.
+    pub poll: PollIndex,
+    /// Results read from res.php.
+    pub results: Results,
+    /// The read slots and the breaker.
+    pub account: Account,
+    /// A stranded task's request, to send it again once.
+    pub queue: SubmitQueue,
+    /// A resend in.php refused.
+    pub tasks: Tasks,
+}
+
+impl Store {
+    pub fn new(store: &TaskStore) -> Self {
+        Self {
+            poll: store.poll(),
+            results: store.results(),
+            account: store.account(),
+            queue: store.queue(),
+            tasks: store.tasks(),
+        }
+    }
+}
+
 /// What the poller needs, built once at cold start.
 #[derive(Debug, Clone)]
 pub struct Deps {
-    pub store: TaskStore,
+    pub store: Store,
     pub captchaai: CaptchaAiClient,
     pub settings: PollerSettings,
     /// This poller instance's name on its claims.
@@ -74,7 +102,7 @@ impl Deps {
             .await
             .context("loading the CaptchaAI key")?;
         Ok(Self {
-            store: TaskStore::from_config(&aws, &store_cfg),
+            store: Store::new(&TaskStore::from_config(&aws, &store_cfg)),
             captchaai: CaptchaAiClient::new(&cai.base_url, key, cai.timeout.min(settings.read_timeout), None)?,
             settings,
             owner: format!("poller-{}", uuid::Uuid::new_v4().simple()),

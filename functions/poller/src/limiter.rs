@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use relay_shared::store::TaskStore;
+use relay_shared::store::Account;
 use relay_shared::time::{Clock, Timestamp};
 
 /// Spaces res.php requests at least `1/rps` apart, on the clock ([`Self::acquire`]), and takes
@@ -13,12 +13,17 @@ pub(crate) struct RateLimiter {
     rps: u32,
     interval: Duration,
     next: Timestamp,
-    store: TaskStore,
+    account: Account,
 }
 
 impl RateLimiter {
-    pub(crate) fn new(rps: u32, store: TaskStore) -> Self {
-        Self { rps: rps.max(1), interval: Duration::from_secs(1) / rps.max(1), next: Timestamp::from_millis(0), store }
+    pub(crate) fn new(rps: u32, account: Account) -> Self {
+        Self {
+            rps: rps.max(1),
+            interval: Duration::from_secs(1) / rps.max(1),
+            next: Timestamp::from_millis(0),
+            account,
+        }
     }
 
     /// The next free slot, if it comes before `latest`; waits for it. `None`: no slot in time.
@@ -41,7 +46,7 @@ impl RateLimiter {
     pub(crate) async fn budget(&mut self, clock: &dyn Clock, latest: Timestamp) -> bool {
         loop {
             let now = clock.now();
-            match self.store.take_read_slot(now, self.rps).await {
+            match self.account.take_read_slot(now, self.rps).await {
                 Ok(true) => return true,
                 Ok(false) => {}
                 Err(e) => tracing::warn!(error = %e, "res.php budget not taken; trying in the next second"),
@@ -80,7 +85,7 @@ mod tests {
             let busy = c.busy();
             runs.push(tokio::spawn(async move {
                 let _busy = busy;
-                let mut limiter = RateLimiter::new(rps, store);
+                let mut limiter = RateLimiter::new(rps, store.account());
                 while limiter.acquire(c.as_ref(), end).await.is_some() {
                     if limiter.budget(c.as_ref(), end).await {
                         reads.lock().expect("reads").push(c.now().as_secs());

@@ -11,7 +11,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[tokio::main]
 async fn main() -> Result<(), lambda_runtime::Error> {
-    let ColdStart { metrics, deps } = cold_start("poller", relay_poller::Deps::from_env(), |d| &d.store).await?;
+    let ColdStart { metrics, deps } = cold_start("poller", relay_poller::Deps::from_env(), |d| &*d.store.poll).await?;
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     metrics_cloudwatch_embedded::lambda::handler::run(metrics, |event: LambdaEvent<serde_json::Value>| {
         relay_poller::handle(event, &deps, clock.clone())

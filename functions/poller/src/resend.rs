@@ -29,7 +29,7 @@ pub(crate) async fn resend(deps: &Deps, clock: &Arc<dyn Clock>, due: &DueTask) -
     let s = &deps.settings;
     let r = &due.task.task_ref;
     let now = clock.now();
-    match deps.store.claim(due, &deps.owner, now.plus(s.lease), false).await {
+    match deps.store.poll.claim(due, &deps.owner, now.plus(s.lease), false).await {
         Ok(true) => {}
         Ok(false) => return Resent::Lost,
         Err(e) => {
@@ -39,24 +39,24 @@ pub(crate) async fn resend(deps: &Deps, clock: &Arc<dyn Clock>, due: &DueTask) -
     }
     // Back on the due list at `at`, the lease ended.
     let later = |at: Timestamp| async move {
-        match deps.store.reschedule(r, &deps.owner, Reschedule::at(at)).await {
+        match deps.store.poll.reschedule(r, &deps.owner, Reschedule::at(at)).await {
             Ok(_) => Resent::Later,
             Err(_) => Resent::Error,
         }
     };
-    let sendable = match deps.store.unsent_request(r).await {
+    let sendable = match deps.store.queue.unsent_request(r).await {
         Ok(x) => x,
         Err(e) => {
             tracing::error!(event = "poll_store_failed", task_ref = %r, error = %e);
             return later(now.plus(Duration::from_secs(5))).await;
         }
     };
-    match deps.store.take_submit_slot(now, s.submits_per_second).await {
+    match deps.store.account.take_submit_slot(now, s.submits_per_second).await {
         Ok(true) => {}
         Ok(false) => return later(now.plus(Duration::from_secs(1))).await,
         Err(_) => return later(now.plus(Duration::from_secs(5))).await,
     }
-    match deps.store.mark_resent(r, now).await {
+    match deps.store.queue.mark_resent(r, now).await {
         Ok(true) => {}
         Ok(false) => return Resent::Lost,
         Err(e) => {
@@ -74,7 +74,8 @@ pub(crate) async fn resend(deps: &Deps, clock: &Arc<dyn Clock>, due: &DueTask) -
         let _io = clock.io();
         deps.captchaai.submit(&request, &pingback).await
     };
-    let recorder = Recorder { store: &deps.store, dead_letters: deps.dead_letters.as_ref(), clock: clock.as_ref() };
+    let recorder =
+        Recorder { tasks: &deps.store.tasks, dead_letters: deps.dead_letters.as_ref(), clock: clock.as_ref() };
     let task = &due.task;
     metrics::counter!("submits_resent").increment(1);
     match InPhp::of(answer) {
@@ -91,12 +92,12 @@ pub(crate) async fn resend(deps: &Deps, clock: &Arc<dyn Clock>, due: &DueTask) -
         }
         InPhp::NoSlot(_) | InPhp::Transient(_) | InPhp::Banned(..) => {
             // Nothing was taken: it may be sent again later.
-            let _ = deps.store.clear_resent(r).await;
+            let _ = deps.store.queue.clear_resent(r).await;
             later(clock.now().plus(Duration::from_secs(10))).await
         }
         InPhp::Refused(err) => {
             let detail = format!("in.php refused the task when it was sent again: {err}");
-            match deps.store.mark_submit_failed(r, &err.code(), &detail, clock.now()).await {
+            match deps.store.tasks.mark_submit_failed(r, &err.code(), &detail, clock.now()).await {
                 Ok(_) => Resent::Refused,
                 Err(_) => Resent::Error,
             }

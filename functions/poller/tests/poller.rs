@@ -52,7 +52,7 @@ async fn callback_and_poll_racing_apply_each_result_exactly_once() -> anyhow::Re
     assert_eq!(report.errors, 0, "{report:?}");
     let mut by_callback = 0;
     for o in w.owned() {
-        match w.store.get(&o.task_ref).await?.map(|t| t.state) {
+        match w.store.tasks().get(&o.task_ref).await?.map(|t| t.state) {
             Some(TaskState::Solved { via: Via::Callback, .. }) => by_callback += 1,
             Some(TaskState::Solved { via: Via::Poll, .. }) => {}
             other => panic!("{other:?}"),
@@ -88,7 +88,7 @@ async fn codes_are_classified_terminal_unknown_and_transient() -> anyhow::Result
         // First read at 25 s, then 5 s and 10 s later: three reads by 45 s.
         w.run_for(Duration::from_secs(50)).await;
         for o in w.owned() {
-            let t = w.store.get(&o.task_ref).await?.expect("stored");
+            let t = w.store.tasks().get(&o.task_ref).await?.expect("stored");
             assert_eq!(t.state.name(), want, "{code}: {:?}", t.state);
             if let TaskState::Failed { code: c, via, .. } = t.state {
                 assert_eq!((c.as_ref(), via), (code, Via::Poll));
@@ -123,7 +123,7 @@ async fn batching_reads_100_ids_per_request_and_falls_back_only_when_the_form_is
             // (The second batch may already be on its way when the first is refused.)
             let reads = counts.res_php - counts.threads_info;
             assert!((151..=152).contains(&reads), "refused batches, then 150 single reads: {counts:?}");
-            assert!(w.store.breaker().await?.batch_unsupported, "remembered for every invocation");
+            assert!(w.store.account().breaker().await?.batch_unsupported, "remembered for every invocation");
             w.start_owner(steady(w.clock.now(), Duration::from_secs(1), 5, &[CaptchaKind::Image]), None);
             w.run_for(Duration::from_secs(70)).await;
             let before = w.fake.counts().res_php;
@@ -131,7 +131,7 @@ async fn batching_reads_100_ids_per_request_and_falls_back_only_when_the_form_is
             assert_eq!((later.recovered, w.fake.counts().res_php - before), (5, 5), "singly from the start: {later:?}");
         }
         for o in w.owned() {
-            assert!(matches!(w.store.get(&o.task_ref).await?.map(|t| t.state), Some(TaskState::Solved { .. })));
+            assert!(matches!(w.store.tasks().get(&o.task_ref).await?.map(|t| t.state), Some(TaskState::Solved { .. })));
         }
     }
     // A transient failure of a batch is not a refusal: the batch form is kept.
@@ -176,8 +176,8 @@ async fn overlapping_invocations_never_read_a_task_twice_and_crashed_claims_laps
     let w = World::start(FakeConfig { drop_callbacks: 1.0, ..FakeConfig::default() }).await?;
     submitted_and_due(&w, 5, &[CaptchaKind::Image]).await;
     for shard in 0..w.store.shards().read() {
-        for due in w.store.due_page(shard, w.clock.now(), 100, None).await?.tasks {
-            assert!(w.store.claim(&due, "crashed", w.clock.now().plus(w.poller.settings.lease), true).await?);
+        for due in w.store.poll().due_page(shard, w.clock.now(), 100, None).await?.tasks {
+            assert!(w.store.poll().claim(&due, "crashed", w.clock.now().plus(w.poller.settings.lease), true).await?);
         }
     }
     let during = invoke(&w, &w.poller).await;
@@ -230,7 +230,11 @@ async fn a_result_the_poller_cannot_store_becomes_a_dead_letter() -> anyhow::Res
     submitted_and_due(&w, 3, &[CaptchaKind::Image]).await;
     let flaky = FlakyDynamo::start(&w.db.endpoint).await?;
     let sink = MemorySink::default();
-    let p = Deps { store: flaky.store(w.store.table()), dead_letters: Arc::new(sink.clone()), ..w.poller.clone() };
+    let p = Deps {
+        store: relay_poller::Store::new(&flaky.store(w.store.table())),
+        dead_letters: Arc::new(sink.clone()),
+        ..w.poller.clone()
+    };
     // With the store down nothing can even be listed: the invocation does nothing and says so.
     flaky.set_failing(true);
     let down = invoke(&w, &p).await;
@@ -267,11 +271,11 @@ async fn a_rejected_key_stops_traffic_after_one_request_until_an_operator_acts()
     // (The submitter read the plan once, before the key was revoked.)
     let c = w.fake.counts();
     assert_eq!((c.res_php - c.threads_info, c.bans), (1, 0), "no further request, no ban");
-    let b = w.store.breaker().await?;
+    let b = w.store.account().breaker().await?;
     assert!(b.needs_operator && b.open_at(w.clock.now()).is_some(), "{b:?}");
     // The operator fixes the key and closes the breaker: reads resume, nothing was lost.
     w.fake.configure(|c| c.api_key = "0123456789abcdef0123456789abcdef".into());
-    w.store.close_breaker().await?;
+    w.store.account().close_breaker().await?;
     let after = invoke(&w, &w.poller).await;
     assert_eq!(after.recovered, 20, "{after:?}");
     Ok(())

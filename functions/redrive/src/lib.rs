@@ -14,14 +14,17 @@ use aws_lambda_events::sqs::{BatchItemFailure, SqsBatchResponse, SqsEvent};
 use lambda_runtime::LambdaEvent;
 use relay_shared::deadletter::{DeadLetter, Letter, SqsQueue};
 use relay_shared::domain::Via;
-use relay_shared::store::{RecordOutcome, SubmitRecorded, TaskStore};
+use relay_shared::store::{RecordOutcome, Results, SubmitRecorded, TaskStore, Tasks};
 use tokio::sync::Semaphore;
 use tracing::Instrument;
 
 /// What the handler needs, built once at cold start.
 #[derive(Debug, Clone)]
 pub struct Deps {
-    pub store: TaskStore,
+    /// In.php's id a letter brings back (UpdateItem).
+    pub tasks: Tasks,
+    /// The result a letter brings back (UpdateItem).
+    pub results: Results,
     /// Where permanently failing messages go.
     pub poison: SqsQueue,
     /// Messages worked on at once.
@@ -47,8 +50,10 @@ impl Deps {
         let env = Settings::from_env();
         let store_cfg = StoreConfig::from_settings(&env)?;
         let aws = relay_shared::aws_config().await;
+        let store = TaskStore::from_config(&aws, &store_cfg);
         Ok(Self {
-            store: TaskStore::from_config(&aws, &store_cfg),
+            tasks: store.tasks(),
+            results: store.results(),
             poison: SqsQueue::new(aws_sdk_sqs::Client::new(&aws), env.url("POISON_QUEUE_URL")?),
             concurrency: env.parse_or("REDRIVE_CONCURRENCY", 8)?,
             pacing: match env.optional("DEAD_LETTER_QUEUE_URL") {
@@ -77,7 +82,7 @@ pub enum Redriven {
 }
 
 /// Applies one dead letter's body. Shared by the Lambda and local mode.
-pub async fn redrive_one(store: &TaskStore, body: &str) -> Redriven {
+pub async fn redrive_one(tasks: &Tasks, results: &Results, body: &str) -> Redriven {
     let letter = match DeadLetter::parse(body) {
         Ok(l) => l,
         Err(e) => return Redriven::Permanent(e.0),
@@ -86,7 +91,7 @@ pub async fn redrive_one(store: &TaskStore, body: &str) -> Redriven {
         Ok(Letter::Result { task_ref, delivery }) => (task_ref, delivery),
         Ok(Letter::Submitted { task_ref, captcha_id, accepted_at, poll_due_at }) => {
             // In.php's id for a task, kept because storing it failed: store it now.
-            return match store.mark_submitted(&task_ref, &captcha_id, accepted_at, poll_due_at).await {
+            return match tasks.mark_submitted(&task_ref, &captcha_id, accepted_at, poll_due_at).await {
                 Ok(SubmitRecorded::Pending(_)) => Redriven::Applied,
                 Ok(SubmitRecorded::AlreadyResolved(_)) => Redriven::AlreadyRecorded,
                 Err(e) if e.is_retryable() => Redriven::Retry(e.to_string()),
@@ -95,7 +100,7 @@ pub async fn redrive_one(store: &TaskStore, body: &str) -> Redriven {
         }
         Err(e) => return Redriven::Permanent(e.0),
     };
-    match store.record_result(&task_ref, &delivery).await {
+    match results.record_result(&task_ref, &delivery).await {
         Ok(RecordOutcome::Recorded(_)) => Redriven::Applied,
         Ok(RecordOutcome::Replaced(_)) => {
             // The common case of a replacement: the pingback failed to store, a conflicting
@@ -169,7 +174,7 @@ pub async fn process(event: SqsEvent, deps: &Deps) -> (SqsBatchResponse, BatchRe
                 let receives = msg.attributes.get("ApproximateReceiveCount").and_then(|v| v.parse().ok()).unwrap_or(1);
                 let receipt = msg.receipt_handle.unwrap_or_default();
                 let body = msg.body.unwrap_or_default();
-                let outcome = redrive_one(&deps.store, &body).await;
+                let outcome = redrive_one(&deps.tasks, &deps.results, &body).await;
                 let outcome = match outcome {
                     Redriven::Permanent(reason) => match deps.poison.send_body(&body).await {
                         Ok(_) => {

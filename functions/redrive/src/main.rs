@@ -9,7 +9,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[tokio::main]
 async fn main() -> Result<(), lambda_runtime::Error> {
-    let ColdStart { metrics, deps } = cold_start("redrive", relay_redrive::Deps::from_env(), |d| &d.store).await?;
+    let ColdStart { metrics, deps } = cold_start("redrive", relay_redrive::Deps::from_env(), |d| &*d.results).await?;
     metrics_cloudwatch_embedded::lambda::handler::run(metrics, |event: LambdaEvent<SqsEvent>| {
         relay_redrive::handle(event, &deps)
     })

@@ -51,12 +51,18 @@ async fn world_with(max_receive_count: u32, visibility_secs: u32) -> anyhow::Res
 
 impl World {
     fn redrive(&self) -> Deps {
-        Deps { store: self.store.clone(), poison: self.poison.clone(), concurrency: 4, pacing: None }
+        Deps {
+            tasks: self.store.tasks(),
+            results: self.store.results(),
+            poison: self.poison.clone(),
+            concurrency: 4,
+            pacing: None,
+        }
     }
 
     fn callback(&self, dead_letters: Arc<dyn relay_shared::deadletter::DeadLetterSink>) -> relay_callback::Deps {
         relay_callback::Deps {
-            store: self.store.clone(),
+            results: self.store.results(),
             signer: self.signer.clone(),
             clock: Arc::new(self.clock.clone()),
             dead_letters,
@@ -67,10 +73,10 @@ impl World {
     async fn pending(&self, captcha_id: &str) -> anyhow::Result<TaskRef> {
         let now = self.clock.now();
         let task = Task::new(TaskRef::generate(), CaptchaKind::Turnstile, now);
-        self.store.create(&task, now, None).await?;
+        self.store.tasks().create(&task, now, None).await?;
         let due = now.plus(Duration::from_secs(120));
         let SubmitRecorded::Pending(_) =
-            self.store.mark_submitted(&task.task_ref, &CaptchaId::parse(captcha_id)?, now, due).await?
+            self.store.tasks().mark_submitted(&task.task_ref, &CaptchaId::parse(captcha_id)?, now, due).await?
         else {
             anyhow::bail!("not pending")
         };
@@ -104,7 +110,7 @@ impl World {
     async fn state(&self, r: &TaskRef) -> TaskState {
         // Read past the fault injector: the truth, whatever the injector is doing.
         let direct = TaskStore::new(self.db.client(), self.store.table(), Duration::from_secs(60));
-        direct.get(r).await.ok().flatten().map(|t| t.state).unwrap_or(TaskState::Submitting { unknown: None })
+        direct.tasks().get(r).await.ok().flatten().map(|t| t.state).unwrap_or(TaskState::Submitting { unknown: None })
     }
 }
 
@@ -164,7 +170,7 @@ async fn a_mixed_batch_reports_only_its_failures() -> anyhow::Result<()> {
     let stuck = w.pending("71000012").await?;
     let letter_done = letter_for(&done, "71000011", "tok-done", now)?;
     let (_, d) = letter_done.delivery_via(Via::Callback)?;
-    assert!(matches!(w.store.record_result(&done, &d).await?, RecordOutcome::Recorded(_)));
+    assert!(matches!(w.store.results().record_result(&done, &d).await?, RecordOutcome::Recorded(_)));
     let stuck_id = w.dlq.send_body(&letter_for(&stuck, "71000012", "tok-stuck", now)?.to_json()).await?;
     w.dlq.send_body(&letter_for(&fresh, "71000010", "tok-fresh", now)?.to_json()).await?;
     w.dlq.send_body(&letter_done.to_json()).await?;
@@ -284,12 +290,12 @@ async fn a_letter_for_an_already_solved_task_is_a_success_without_a_write() -> a
     let r = w.pending("71000030").await?;
     let letter = letter_for(&r, "71000030", "tok-first", w.clock.now())?;
     let (_, d) = letter.delivery_via(Via::Callback)?;
-    w.store.record_result(&r, &d).await?;
-    let before = w.store.get(&r).await?;
+    w.store.results().record_result(&r, &d).await?;
+    let before = w.store.tasks().get(&r).await?;
     w.dlq.send_body(&letter.to_json()).await?;
     let (rep, _) = w.drain_once().await?;
     assert_eq!((rep.applied, rep.already_recorded, rep.retried), (0, 1, 0));
-    assert_eq!(w.store.get(&r).await?, before, "unchanged: still resolved by the callback");
+    assert_eq!(w.store.tasks().get(&r).await?, before, "unchanged: still resolved by the callback");
     assert_eq!(w.dlq.depth().await?, 0);
     Ok(())
 }
@@ -310,7 +316,7 @@ async fn queue_and_store_down_together_is_a_5xx_and_the_poller_still_recovers() 
     w.flaky.set_failing(false);
     w.clock.advance(Duration::from_secs(121));
     let poller = relay_poller::Deps {
-        store: w.store.clone(),
+        store: relay_poller::Store::new(&w.store),
         captchaai: relay_shared::captchaai::CaptchaAiClient::new(
             &fake.base_url(),
             SecretString::from(fake.api_key()),

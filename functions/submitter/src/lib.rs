@@ -30,7 +30,7 @@ mod report;
 mod run;
 mod settings;
 
-pub use deps::Deps;
+pub use deps::{Deps, Store};
 pub use entry::{handle, serve_local};
 pub use report::{METRICS, RunReport};
 pub use run::{PLAN_OUT_PAUSE, run};

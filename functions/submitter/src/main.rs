@@ -15,7 +15,8 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[tokio::main]
 async fn main() -> Result<(), lambda_runtime::Error> {
-    let ColdStart { metrics, deps } = cold_start("submitter", relay_submitter::Deps::from_env(), |d| &d.store).await?;
+    let ColdStart { metrics, deps } =
+        cold_start("submitter", relay_submitter::Deps::from_env(), |d| &*d.store.queue).await?;
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     metrics_cloudwatch_embedded::lambda::handler::run(metrics, |event: LambdaEvent<serde_json::Value>| {
         relay_submitter::handle(event, &deps, clock.clone())

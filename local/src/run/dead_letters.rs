@@ -45,7 +45,7 @@ async fn drain_batch(queue: &DiskQueue, store: &TaskStore) -> usize {
     };
     let received = batch.len();
     for m in batch {
-        let outcome = relay_redrive::redrive_one(store, &m.body).await;
+        let outcome = relay_redrive::redrive_one(&store.tasks(), &store.results(), &m.body).await;
         let q = queue.clone();
         let id = m.id;
         let done = tokio::task::spawn_blocking(move || match outcome {

@@ -153,7 +153,7 @@ pub async fn start(cfg: &LocalConfig, opts: Options) -> anyhow::Result<Running> 
         delivery_policy: delivery_settings(cfg).policy,
     });
     relay.callback.recent = relay_callback::RecentResults::new(cfg.recent_results);
-    relay.api.relay_keys = relay_shared::store::RelayKeys::new(Some(relay.api.store.clone())).with_fixed(
+    relay.api.relay_keys = relay_shared::store::RelayKeys::new(Some(relay.store.clone())).with_fixed(
         relay_shared::store::KeyGrant { name: "local".into(), pingback: cfg.pingback_form },
         &SecretString::from(secrets.api_key.clone()),
     );
@@ -164,6 +164,7 @@ pub async fn start(cfg: &LocalConfig, opts: Options) -> anyhow::Result<Running> 
     let (stop, stop_rx) = tokio::sync::watch::channel(false);
     let mut workers = tokio::task::JoinSet::new();
     let relay = Arc::new(relay);
+    let relay_store = relay.store.clone();
     let (submitter, submit_wake) = (relay.submitter("local-submitter"), relay.submit_wake.clone());
     let mut rx = stop_rx.clone();
     let plain_relay = relay.clone();
@@ -193,7 +194,7 @@ pub async fn start(cfg: &LocalConfig, opts: Options) -> anyhow::Result<Running> 
     let settings = relay_poller::PollerSettings::default();
     let poller = relay_poller::Deps {
         // The relay's store: its results wake the submitter too.
-        store: submitter.store.clone(),
+        store: relay_poller::Store::new(&relay_store),
         // The poller plans its time around its own read timeout.
         captchaai: CaptchaAiClient::new(&cai_url, SecretString::from(cai_key.clone()), settings.read_timeout, None)?,
         settings,

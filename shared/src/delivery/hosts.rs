@@ -31,7 +31,7 @@ use tokio::sync::mpsc;
 
 use super::settings::DeliverySettings;
 pub use super::signal::Signal;
-use crate::store::TaskStore;
+use crate::store::Pushes;
 use crate::store::hosts::{HostRecord, Slot, SlotWrite, item_of};
 use crate::time::{Busy, Clock, Timestamp};
 
@@ -234,7 +234,7 @@ impl Gate {
     /// time (the push is given back).
     pub(crate) async fn acquire(
         self: &Arc<Self>,
-        store: &TaskStore,
+        store: &Pushes,
         deadline: Timestamp,
         latest_start: Timestamp,
         clock: &dyn Clock,
@@ -384,7 +384,7 @@ impl Gate {
     pub(crate) async fn release(
         self: &Arc<Self>,
         mut permit: Permit,
-        store: &TaskStore,
+        store: &Pushes,
         signal: Signal,
         clock: &dyn Clock,
         s: &DeliverySettings,

@@ -35,7 +35,7 @@ impl KeySource {
         {
             return Ok(keys.clone());
         }
-        let keys = match store.webhook_secrets(owner).await? {
+        let keys = match store.pushes().webhook_secrets(owner).await? {
             // A malformed stored value is an operator's mistake: sign with the deployment's
             // secrets (the owner's verification then fails visibly) rather than not at all.
             Some(text) => SigningKeys::parse_list(&text).unwrap_or_else(|e| {

@@ -31,7 +31,8 @@ impl Deliverer {
     async fn due_now(&self, now: Timestamp, report: &mut SweepReport) -> (Vec<DueDelivery>, bool) {
         let mut batch = Vec::new();
         let mut more = false;
-        let pages = (0..self.store.shards().read()).map(|shard| self.store.due_deliveries(shard, now, 100, None));
+        let pushes = &self.pushes;
+        let pages = (0..pushes.shards().read()).map(|shard| pushes.due_deliveries(shard, now, 100, None));
         for page in futures_util::future::join_all(pages).await {
             match page {
                 Ok((due, next)) => {
@@ -91,7 +92,7 @@ impl Deliverer {
                 }
             }
             let now = clock.now();
-            let oldest = match self.store.oldest_delivery_due().await {
+            let oldest = match self.pushes.oldest_delivery_due().await {
                 Ok(t) => t,
                 Err(e) => {
                     report.errors += 1;
@@ -206,7 +207,7 @@ impl Deliverer {
                 // simulated clock stop time (this loop is working: its own guard covers them).
                 let pass = async {
                     let (batch, more) = self.due_now(now, &mut report).await;
-                    (batch, more, self.store.oldest_delivery_due().await)
+                    (batch, more, self.pushes.oldest_delivery_due().await)
                 };
                 tokio::pin!(pass);
                 let mut told = Vec::new();

@@ -21,9 +21,9 @@ pub struct Parked {
 /// The parked pushes parked between `from` and `to`, oldest first.
 pub async fn list(store: &TaskStore, from: Timestamp, to: Timestamp, max: usize) -> Result<Vec<Parked>, StoreError> {
     let mut rows = Vec::new();
-    for p in store.parked_deliveries(from, to, max).await? {
+    for p in store.pushes().parked_deliveries(from, to, max).await? {
         // `to` is the listing's now: a task past its retention is not shown.
-        let Some(task) = store.get_retained(&p.task_ref, to).await? else { continue };
+        let Some(task) = store.retention().get_retained(&p.task_ref, to).await? else { continue };
         let Some(d) = task.delivery.as_ref().filter(|d| d.status == DeliveryStatus::Parked) else { continue };
         let host = task
             .owner_callback
@@ -62,11 +62,11 @@ pub async fn replay_tasks(store: &TaskStore, refs: &[String], now: Timestamp) ->
                 continue;
             }
         };
-        if store.get_retained(&task_ref, now).await?.is_none() {
+        if store.retention().get_retained(&task_ref, now).await?.is_none() {
             out.skipped.push((raw.clone(), "no such task (or its retention has ended)".into()));
             continue;
         }
-        if store.replay_delivery(&task_ref, now).await? {
+        if store.pushes().replay_delivery(&task_ref, now).await? {
             out.replayed.push(task_ref.to_string());
         } else {
             out.skipped.push((
@@ -87,7 +87,7 @@ pub async fn replay_parked(
     now: Timestamp,
 ) -> Result<Replayed, StoreError> {
     let refs: Vec<String> =
-        store.parked_deliveries(from, to, max).await?.into_iter().map(|p| p.task_ref.to_string()).collect();
+        store.pushes().parked_deliveries(from, to, max).await?.into_iter().map(|p| p.task_ref.to_string()).collect();
     replay_tasks(store, &refs, now).await
 }
 

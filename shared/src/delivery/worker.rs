@@ -14,13 +14,16 @@ use super::settings::DeliverySettings;
 use super::signal::signal_of;
 use crate::domain::{Task, TaskRef, TaskState};
 use crate::store::deliveries::DEFAULT_OWNER;
-use crate::store::{DeliveryFinish, DueDelivery, StoreError, TaskStore};
+use crate::store::{DeliveryFinish, DueDelivery, Pushes, Results, StoreError, TaskStore};
 use crate::time::{Clock, Timestamp};
 use crate::webhook::{AttemptResult, Outgoing, Sender};
 
 /// The worker.
 pub struct Deliverer {
-    pub store: TaskStore,
+    /// The pushes: claims, outcomes, host slots (GetItem, UpdateItem; Query on `due-for-delivery`).
+    pub pushes: Pushes,
+    /// The result a push shows its owner, pinned (UpdateItem).
+    pub results: Results,
     pub sender: Sender,
     pub keys: KeySource,
     pub settings: DeliverySettings,
@@ -43,7 +46,8 @@ impl Deliverer {
             // The request's time limit is kept on the worker's clock (so a simulation charges
             // it); the client's own is a backstop behind it.
             sender: Sender::new(settings.policy, settings.timeout + Duration::from_secs(30))?,
-            store,
+            pushes: store.pushes(),
+            results: store.results(),
             keys,
             settings,
             worker: format!("dlv-{}", uuid::Uuid::new_v4().simple()),
@@ -63,11 +67,11 @@ impl Deliverer {
     pub async fn deliver(&self, due: &DueDelivery, clock: &dyn Clock) -> Result<Attempt, StoreError> {
         let now = clock.now();
         let lease_until = now.plus(self.settings.lease());
-        let Some(mut task) = self.store.claim_delivery(due, &self.worker, lease_until).await? else {
+        let Some(mut task) = self.pushes.claim_delivery(due, &self.worker, lease_until).await? else {
             return Ok(Attempt::Lost);
         };
         let finish = |f: DeliveryFinish| async move {
-            self.store.finish_delivery(&due.task_ref, &self.worker, lease_until, &f, clock.now()).await
+            self.pushes.finish_delivery(&due.task_ref, &self.worker, lease_until, &f, clock.now()).await
         };
         let (Some(url), Some(id)) = (task.owner_callback.clone(), task.webhook_id()) else {
             // An open task in the index: nothing to push yet. Not reachable through the store's
@@ -95,7 +99,7 @@ impl Deliverer {
         }
         // A pushed result is a result shown: pin it, as GET does, so it never changes after.
         if task.needs_pin(now) {
-            match self.store.mark_handed_out(&task, now).await? {
+            match self.results.mark_handed_out(&task, now).await? {
                 None => task.handed_out_at = Some(now),
                 // A result received earlier replaced it meanwhile; that write made a new push
                 // due (and took this lease): it goes out instead.
@@ -118,7 +122,7 @@ impl Deliverer {
         };
         let latest_start = self.settings.latest_start(lease_until);
         let gate = self.hosts.gate(&host);
-        let Some(permit) = gate.acquire(&self.store, rank, latest_start, clock, &self.settings).await else {
+        let Some(permit) = gate.acquire(&self.pushes, rank, latest_start, clock, &self.settings).await else {
             // No turn in time for this claim: given back, its attempt uncounted, due a moment
             // later.
             let at = clock.now().plus(Duration::from_secs(1));
@@ -152,7 +156,7 @@ impl Deliverer {
                 }
             }
         };
-        gate.release(permit, &self.store, signal_of(&result), clock, &self.settings).await;
+        gate.release(permit, &self.pushes, signal_of(&result), clock, &self.settings).await;
         let now = clock.now();
         let attempts = state.attempts;
         let after_death = fresh_at_record && dies.is_some_and(|d| sent_at >= d);

@@ -3,7 +3,7 @@
 
 use aws_sdk_dynamodb::types::AttributeValue;
 
-use super::{Item, StoreError, TaskStore, attr, condition_held, get_s, get_ts, n, s, sdk_error};
+use super::{Account, Item, StoreError, attr, condition_held, get_s, get_ts, n, s, sdk_error};
 use crate::time::Timestamp;
 
 /// The account-wide circuit breaker for CaptchaAI traffic (and what was learnt of the service),
@@ -72,7 +72,7 @@ impl Breaker {
     }
 }
 
-impl TaskStore {
+impl Account {
     /// Takes one of the in.php submits allowed in the current second, account-wide: CaptchaAI
     /// bans more than 60 submits in 3 s (`MAX_USER_TURN`), and with at most `per_second` in each
     /// whole second, any 3 s (which touches at most 4 of them) holds at most 4 × `per_second`.
@@ -93,7 +93,7 @@ impl TaskStore {
         let res = self
             .client
             .update_item()
-            .table_name(&self.table)
+            .table_name(&*self.table)
             .key(attr::PK, s(&format!("{prefix}#{second}")))
             .update_expression("ADD submits :one SET expires_ttl = :ttl")
             .condition_expression("attribute_not_exists(submits) OR submits < :limit")
@@ -107,14 +107,14 @@ impl TaskStore {
 
     /// The account-wide CaptchaAI breaker, as every function sees it (strongly consistent).
     pub async fn breaker(&self) -> Result<Breaker, StoreError> {
-        Ok(self.submit_state().await?.breaker)
+        Ok(super::SubmitQueue(self.0.clone()).submit_state().await?.breaker)
     }
 
     /// Remembers that res.php does not take batch reads (`ids=`), for every poller from now on.
     pub async fn mark_batch_unsupported(&self, now: Timestamp) -> Result<(), StoreError> {
         self.client
             .update_item()
-            .table_name(&self.table)
+            .table_name(&*self.table)
             .key(attr::PK, s(Breaker::KEY))
             .update_expression("SET batch_unsupported_at = if_not_exists(batch_unsupported_at, :now)")
             .expression_attribute_values(":now", n(now.as_millis()))
@@ -162,7 +162,7 @@ impl TaskStore {
         let req = self
             .client
             .update_item()
-            .table_name(&self.table)
+            .table_name(&*self.table)
             .key(attr::PK, s(Breaker::KEY))
             .update_expression(
                 "SET open_until = :until, reason = :reason, opened_at = :now, needs_operator = :op, \
@@ -185,7 +185,7 @@ impl TaskStore {
     pub async fn close_breaker(&self) -> Result<(), StoreError> {
         self.client
             .update_item()
-            .table_name(&self.table)
+            .table_name(&*self.table)
             .key(attr::PK, s(Breaker::KEY))
             .update_expression("REMOVE open_until, needs_operator")
             .send()

@@ -13,7 +13,7 @@
 
 use aws_sdk_dynamodb::types::{AttributeValue, ReturnValue};
 
-use super::{Item, PageKey, StoreError, TaskStore, attr, condition_held, get_s, get_ts, get_u32, n, s, sdk_error};
+use super::{Item, PageKey, Pushes, StoreError, attr, condition_held, get_s, get_ts, get_u32, n, s, sdk_error};
 use crate::domain::schedule::Failures;
 use crate::domain::{DeliveryState, DeliveryStatus, Task, TaskRef};
 use crate::time::Timestamp;
@@ -88,7 +88,7 @@ fn due_of(item: &Item) -> Result<DueDelivery, StoreError> {
     })
 }
 
-impl TaskStore {
+impl Pushes {
     /// One page of pushes due at `now` in one shard of the due-for-delivery index, oldest first
     /// (a Query on a sparse index: its cost follows the pushes owed, not the table's size).
     pub async fn due_deliveries(
@@ -101,7 +101,7 @@ impl TaskStore {
         let out = self
             .client
             .query()
-            .table_name(&self.table)
+            .table_name(&*self.table)
             .index_name(DELIVERY_INDEX)
             .key_condition_expression("dlv_shard = :shard AND dlv_due <= :now")
             .expression_attribute_values(":shard", n(u64::from(shard)))
@@ -121,7 +121,7 @@ impl TaskStore {
         let queries = (0..self.shards.read()).map(|shard| {
             self.client
                 .query()
-                .table_name(&self.table)
+                .table_name(&*self.table)
                 .index_name(DELIVERY_INDEX)
                 .key_condition_expression("dlv_shard = :shard AND dlv_due < :parked")
                 .expression_attribute_values(":shard", n(u64::from(shard)))
@@ -153,7 +153,7 @@ impl TaskStore {
         let res = self
             .client
             .update_item()
-            .table_name(&self.table)
+            .table_name(&*self.table)
             .key(attr::PK, s(due.task_ref.as_ref()))
             .update_expression(
                 "SET dlv_due = :lease, dlv_lease = :owner, dlv_attempts = if_not_exists(dlv_attempts, :zero) + :one",
@@ -188,7 +188,7 @@ impl TaskStore {
         let mut req = self
             .client
             .update_item()
-            .table_name(&self.table)
+            .table_name(&*self.table)
             .key(attr::PK, s(task_ref.as_ref()))
             .condition_expression("dlv_lease = :owner AND dlv_due = :lease")
             .expression_attribute_values(":owner", s(owner))
@@ -237,7 +237,7 @@ impl TaskStore {
                 let res = self
                     .client
                     .update_item()
-                    .table_name(&self.table)
+                    .table_name(&*self.table)
                     .key(attr::PK, s(task_ref.as_ref()))
                     .condition_expression("dlv_lease = :owner AND dlv_due = :lease")
                     .update_expression("SET dlv_due = :next, dlv_attempts = dlv_attempts - :one REMOVE dlv_lease")
@@ -276,7 +276,7 @@ impl TaskStore {
             let mut pages = self
                 .client
                 .query()
-                .table_name(&self.table)
+                .table_name(&*self.table)
                 .index_name(DELIVERY_INDEX)
                 .key_condition_expression("dlv_shard = :shard AND dlv_due BETWEEN :from AND :to")
                 .expression_attribute_values(":shard", n(u64::from(shard)))
@@ -307,7 +307,7 @@ impl TaskStore {
         let res = self
             .client
             .update_item()
-            .table_name(&self.table)
+            .table_name(&*self.table)
             .key(attr::PK, s(task_ref.as_ref()))
             .update_expression(
                 "SET dlv_due = :now, dlv_status = :pending, dlv_attempts = :zero, dlv_tfails = :zero, \
@@ -335,7 +335,7 @@ impl TaskStore {
         let out = self
             .client
             .get_item()
-            .table_name(&self.table)
+            .table_name(&*self.table)
             .key(attr::PK, s(&format!("{SECRET_PREFIX}{owner}")))
             .consistent_read(true)
             .send()
@@ -348,7 +348,7 @@ impl TaskStore {
     pub async fn put_webhook_secrets(&self, owner: &str, secrets: &str) -> Result<(), StoreError> {
         self.client
             .put_item()
-            .table_name(&self.table)
+            .table_name(&*self.table)
             .item(attr::PK, s(&format!("{SECRET_PREFIX}{owner}")))
             .item("secrets", AttributeValue::S(secrets.to_owned()))
             .send()
@@ -363,6 +363,7 @@ mod tests {
 
     use super::*;
     use crate::domain::{CaptchaId, CaptchaKind, IncomingResult, Outcome, Solution, Via};
+    use crate::store::TaskStore;
     use crate::store::{Created, RecordOutcome, SubmitRecorded};
     use crate::testkit::{LocalDynamo, LocalSqs};
 
@@ -378,9 +379,9 @@ mod tests {
             webhook_owner: callback.then(|| "scraper".to_owned()),
             ..Task::new(TaskRef::generate(), CaptchaKind::Image, t(1_000))
         };
-        assert_eq!(store.create(&task, t(600_000), None).await.expect("create"), Created::New);
+        assert_eq!(store.tasks().create(&task, t(600_000), None).await.expect("create"), Created::New);
         let id = CaptchaId::parse(captcha).expect("id");
-        match store.mark_submitted(&task.task_ref, &id, t(2_000), t(30_000)).await.expect("submit") {
+        match store.tasks().mark_submitted(&task.task_ref, &id, t(2_000), t(30_000)).await.expect("submit") {
             SubmitRecorded::Pending(task) => task,
             other => panic!("expected pending, got {other:?}"),
         }
@@ -399,7 +400,7 @@ mod tests {
     async fn due_at(store: &TaskStore, now: u64) -> Vec<DueDelivery> {
         let mut all = Vec::new();
         for shard in 0..store.shards().read() {
-            all.extend(store.due_deliveries(shard, t(now), 100, None).await.expect("query").0);
+            all.extend(store.pushes().due_deliveries(shard, t(now), 100, None).await.expect("query").0);
         }
         all
     }
@@ -414,11 +415,11 @@ mod tests {
         let task = pending(&store, true, "101").await;
         assert!(due_at(&store, 50_000).await.is_empty(), "nothing is due while tasks are open");
         assert!(matches!(
-            store.record_result(&plain.task_ref, &solved("100", 10_000)).await.expect("r"),
+            store.results().record_result(&plain.task_ref, &solved("100", 10_000)).await.expect("r"),
             RecordOutcome::Recorded(_)
         ));
         assert!(matches!(
-            store.record_result(&task.task_ref, &solved("101", 10_000)).await.expect("r"),
+            store.results().record_result(&task.task_ref, &solved("101", 10_000)).await.expect("r"),
             RecordOutcome::Recorded(_)
         ));
         let due = due_at(&store, 10_000).await;
@@ -427,16 +428,19 @@ mod tests {
             vec![DueDelivery { task_ref: task.task_ref.clone(), due_at: t(10_000) }],
             "only the callback task"
         );
-        let shown = store.get(&task.task_ref).await.expect("get").expect("task");
+        let shown = store.tasks().get(&task.task_ref).await.expect("get").expect("task");
         let d = shown.delivery.clone().expect("a delivery state");
         assert_eq!((d.status, d.attempts, d.next_attempt_at), (DeliveryStatus::Pending, 0, Some(t(10_000))));
         assert_eq!(shown.webhook_owner.as_deref(), Some("scraper"));
-        assert!(store.get(&plain.task_ref).await.expect("get").expect("task").delivery.is_none());
+        assert!(store.tasks().get(&plain.task_ref).await.expect("get").expect("task").delivery.is_none());
 
         // An exclusive claim that counts the attempt.
-        let claimed = store.claim_delivery(&due[0], "w1", t(35_000)).await.expect("claim").expect("won");
+        let claimed = store.pushes().claim_delivery(&due[0], "w1", t(35_000)).await.expect("claim").expect("won");
         assert_eq!(claimed.delivery.as_ref().map(|d| d.attempts), Some(1));
-        assert!(store.claim_delivery(&due[0], "w2", t(35_000)).await.expect("claim").is_none(), "claimed once");
+        assert!(
+            store.pushes().claim_delivery(&due[0], "w2", t(35_000)).await.expect("claim").is_none(),
+            "claimed once"
+        );
         assert!(due_at(&store, 30_000).await.is_empty(), "leased");
         assert_eq!(due_at(&store, 35_000).await.len(), 1, "a lapsed lease is due again");
 
@@ -444,21 +448,21 @@ mod tests {
         let failures = Failures { token: 0, standard: 1 };
         let retry = DeliveryFinish::Retry { at: t(40_000), outcome: "HTTP 500".into(), failures };
         assert!(
-            !store.finish_delivery(&task.task_ref, "w2", t(35_000), &retry, t(12_000)).await.expect("f"),
+            !store.pushes().finish_delivery(&task.task_ref, "w2", t(35_000), &retry, t(12_000)).await.expect("f"),
             "not w2's lease"
         );
-        assert!(store.finish_delivery(&task.task_ref, "w1", t(35_000), &retry, t(12_000)).await.expect("f"));
-        let d = store.get(&task.task_ref).await.expect("get").expect("task").delivery.expect("state");
+        assert!(store.pushes().finish_delivery(&task.task_ref, "w1", t(35_000), &retry, t(12_000)).await.expect("f"));
+        let d = store.tasks().get(&task.task_ref).await.expect("get").expect("task").delivery.expect("state");
         assert_eq!(
             (d.status, d.next_attempt_at, d.last_outcome.as_deref(), d.failures),
             (DeliveryStatus::Retrying, Some(t(40_000)), Some("HTTP 500"), failures)
         );
         let due = due_at(&store, 40_000).await;
         let id = shown.webhook_id().expect("an id");
-        store.claim_delivery(&due[0], "w1", t(65_000)).await.expect("claim").expect("won");
+        store.pushes().claim_delivery(&due[0], "w1", t(65_000)).await.expect("claim").expect("won");
         let done = DeliveryFinish::Delivered { id: id.clone(), outcome: "HTTP 200".into() };
-        assert!(store.finish_delivery(&task.task_ref, "w1", t(65_000), &done, t(41_000)).await.expect("f"));
-        let d = store.get(&task.task_ref).await.expect("get").expect("task").delivery.expect("state");
+        assert!(store.pushes().finish_delivery(&task.task_ref, "w1", t(65_000), &done, t(41_000)).await.expect("f"));
+        let d = store.tasks().get(&task.task_ref).await.expect("get").expect("task").delivery.expect("state");
         assert_eq!(
             (d.status, d.attempts, d.delivered_id.as_deref()),
             (DeliveryStatus::Delivered, 2, Some(id.as_str()))
@@ -466,7 +470,7 @@ mod tests {
         assert!(due_at(&store, 10_000_000).await.is_empty(), "delivered: out of the index");
         // The same result again (a duplicate pingback) writes nothing: no new push.
         assert!(matches!(
-            store.record_result(&task.task_ref, &solved("101", 50_000)).await.expect("r"),
+            store.results().record_result(&task.task_ref, &solved("101", 50_000)).await.expect("r"),
             RecordOutcome::Duplicate(_)
         ));
         assert!(due_at(&store, 10_000_000).await.is_empty());
@@ -474,45 +478,45 @@ mod tests {
         // Replay (the owner asks again): due now, fresh attempts; the same result is then
         // recognised as delivered under the same id only if the id was kept — a replay clears it,
         // so it is sent again.
-        assert!(store.replay_delivery(&task.task_ref, t(60_000)).await.expect("replay"));
-        assert!(!store.replay_delivery(&task.task_ref, t(60_000)).await.expect("replay"), "already due");
+        assert!(store.pushes().replay_delivery(&task.task_ref, t(60_000)).await.expect("replay"));
+        assert!(!store.pushes().replay_delivery(&task.task_ref, t(60_000)).await.expect("replay"), "already due");
         let due = due_at(&store, 60_000).await;
-        store.claim_delivery(&due[0], "w1", t(85_000)).await.expect("claim").expect("won");
+        store.pushes().claim_delivery(&due[0], "w1", t(85_000)).await.expect("claim").expect("won");
         // Deferred: the attempt is given back and it is due at the time given.
         let defer = DeliveryFinish::Deferred { at: t(61_000) };
-        assert!(store.finish_delivery(&task.task_ref, "w1", t(85_000), &defer, t(60_500)).await.expect("f"));
-        let d = store.get(&task.task_ref).await.expect("get").expect("task").delivery.expect("state");
+        assert!(store.pushes().finish_delivery(&task.task_ref, "w1", t(85_000), &defer, t(60_500)).await.expect("f"));
+        let d = store.tasks().get(&task.task_ref).await.expect("get").expect("task").delivery.expect("state");
         assert_eq!((d.attempts, d.next_attempt_at), (0, Some(t(61_000))));
         // Parked: out of the due range, listed by when it was parked, replayable.
         let due = due_at(&store, 61_000).await;
-        store.claim_delivery(&due[0], "w1", t(86_000)).await.expect("claim").expect("won");
+        store.pushes().claim_delivery(&due[0], "w1", t(86_000)).await.expect("claim").expect("won");
         let park = DeliveryFinish::Parked { outcome: "7 attempts failed".into() };
-        assert!(store.finish_delivery(&task.task_ref, "w1", t(86_000), &park, t(62_000)).await.expect("f"));
+        assert!(store.pushes().finish_delivery(&task.task_ref, "w1", t(86_000), &park, t(62_000)).await.expect("f"));
         assert!(due_at(&store, PARKED_BASE - 1).await.is_empty(), "a parked push is never due");
-        assert_eq!(store.oldest_delivery_due().await.expect("oldest"), None);
-        let parked = store.parked_deliveries(t(60_000), t(70_000), 10).await.expect("parked");
+        assert_eq!(store.pushes().oldest_delivery_due().await.expect("oldest"), None);
+        let parked = store.pushes().parked_deliveries(t(60_000), t(70_000), 10).await.expect("parked");
         assert_eq!(parked, vec![DueDelivery { task_ref: task.task_ref.clone(), due_at: t(62_000) }]);
-        assert!(store.parked_deliveries(t(63_000), t(70_000), 10).await.expect("parked").is_empty());
-        let d = store.get(&task.task_ref).await.expect("get").expect("task").delivery.expect("state");
+        assert!(store.pushes().parked_deliveries(t(63_000), t(70_000), 10).await.expect("parked").is_empty());
+        let d = store.tasks().get(&task.task_ref).await.expect("get").expect("task").delivery.expect("state");
         assert_eq!((d.status, d.parked_at, d.next_attempt_at), (DeliveryStatus::Parked, Some(t(62_000)), None));
-        assert!(store.replay_delivery(&task.task_ref, t(70_000)).await.expect("replay"));
-        assert!(store.parked_deliveries(t(0), t(100_000), 10).await.expect("parked").is_empty());
+        assert!(store.pushes().replay_delivery(&task.task_ref, t(70_000)).await.expect("replay"));
+        assert!(store.pushes().parked_deliveries(t(0), t(100_000), 10).await.expect("parked").is_empty());
         // A push for the same result that was delivered before: finished without a send.
         let due = due_at(&store, 70_000).await;
-        store.claim_delivery(&due[0], "w1", t(95_000)).await.expect("claim").expect("won");
+        store.pushes().claim_delivery(&due[0], "w1", t(95_000)).await.expect("claim").expect("won");
         let again = DeliveryFinish::AlreadyDelivered { id };
-        assert!(store.finish_delivery(&task.task_ref, "w1", t(95_000), &again, t(70_100)).await.expect("f"));
-        let d = store.get(&task.task_ref).await.expect("get").expect("task").delivery.expect("state");
+        assert!(store.pushes().finish_delivery(&task.task_ref, "w1", t(95_000), &again, t(70_100)).await.expect("f"));
+        let d = store.tasks().get(&task.task_ref).await.expect("get").expect("task").delivery.expect("state");
         assert_eq!((d.status, d.attempts, d.failures), (DeliveryStatus::Delivered, 0, Failures::default()));
 
         // An expiry is a terminal write too.
         let late = pending(&store, true, "102").await;
-        assert!(store.expire(&late.task_ref, "deadline", t(600_000), "poller").await.expect("expire"));
+        assert!(store.poll().expire(&late.task_ref, "deadline", t(600_000), "poller").await.expect("expire"));
         assert_eq!(due_at(&store, 600_000).await.len(), 1);
         // Webhook secrets per owner.
-        assert_eq!(store.webhook_secrets("scraper").await.expect("get"), None);
-        store.put_webhook_secrets("scraper", "whsec_a,whsec_b").await.expect("put");
-        assert_eq!(store.webhook_secrets("scraper").await.expect("get").as_deref(), Some("whsec_a,whsec_b"));
+        assert_eq!(store.pushes().webhook_secrets("scraper").await.expect("get"), None);
+        store.pushes().put_webhook_secrets("scraper", "whsec_a,whsec_b").await.expect("put");
+        assert_eq!(store.pushes().webhook_secrets("scraper").await.expect("get").as_deref(), Some("whsec_a,whsec_b"));
     }
 
     #[tokio::test]

@@ -21,7 +21,7 @@ use std::collections::BTreeMap;
 
 use aws_sdk_dynamodb::types::{ReturnValue, ReturnValuesOnConditionCheckFailure};
 
-use super::{Item, StoreError, TaskStore, attr, n, refused_item, s, sdk_error};
+use super::{Item, Pushes, StoreError, attr, n, refused_item, s, sdk_error};
 use crate::time::Timestamp;
 
 /// Host records are kept under `host#<host>`.
@@ -128,7 +128,7 @@ fn limit_change(
     }
 }
 
-impl TaskStore {
+impl Pushes {
     /// Takes slot `slot` of `host` for a request beginning at `now`, held until `until`, if it
     /// is free at `now`. The record's limit is set to `initial_limit` if it has none (in the
     /// first item). The answer holds the slots of `slot`'s item only, and the limit if that item
@@ -145,7 +145,7 @@ impl TaskStore {
         let mut req = self
             .client
             .update_item()
-            .table_name(&self.table)
+            .table_name(&*self.table)
             .key(attr::PK, key(host, item_of(slot)))
             .update_expression(if first {
                 "SET #s = :until, #b = :now, lim = if_not_exists(lim, :init), expires_ttl = :ttl"
@@ -200,7 +200,7 @@ impl TaskStore {
             let mut req = self
                 .client
                 .update_item()
-                .table_name(&self.table)
+                .table_name(&*self.table)
                 .key(attr::PK, key(host, item_of(slot)))
                 .expression_attribute_names("#s", format!("s{slot}"))
                 .expression_attribute_names("#b", format!("b{slot}"))
@@ -267,7 +267,7 @@ impl TaskStore {
         let req = self
             .client
             .update_item()
-            .table_name(&self.table)
+            .table_name(&*self.table)
             .key(attr::PK, key(host, 0))
             .expression_attribute_values(":ttl", n(now.as_secs() + RECORD_TTL_SECS));
         let req = limit_change(req, &mut set, &mut cond, seen, new, now);
@@ -298,7 +298,7 @@ impl TaskStore {
             let out = self
                 .client
                 .get_item()
-                .table_name(&self.table)
+                .table_name(&*self.table)
                 .key(attr::PK, key(host, item))
                 .consistent_read(true)
                 .send()
@@ -317,6 +317,7 @@ impl TaskStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::TaskStore;
     use crate::testkit::{LocalDynamo, LocalSqs};
 
     fn t(ms: u64) -> Timestamp {
@@ -327,25 +328,33 @@ mod tests {
     /// change rides on a move and gives way to another worker's.
     async fn slots_are_leases(store: TaskStore) {
         let h = "owner.example:443";
-        assert_eq!(store.host_record(h).await.expect("read"), HostRecord::default());
-        let SlotWrite::Done(r) = store.take_host_slot(h, 3, t(1_000), t(16_000), 8).await.expect("take") else {
+        assert_eq!(store.pushes().host_record(h).await.expect("read"), HostRecord::default());
+        let SlotWrite::Done(r) = store.pushes().take_host_slot(h, 3, t(1_000), t(16_000), 8).await.expect("take")
+        else {
             panic!("a free slot is taken")
         };
         assert_eq!(r.limit, Some(8));
         assert_eq!(r.slots.get(&3), Some(&Slot { until: t(16_000), began: Some(t(1_000)) }));
         // Held: another worker is refused and sees the record.
-        let SlotWrite::Refused(seen) = store.take_host_slot(h, 3, t(2_000), t(17_000), 8).await.expect("take") else {
+        let SlotWrite::Refused(seen) = store.pushes().take_host_slot(h, 3, t(2_000), t(17_000), 8).await.expect("take")
+        else {
             panic!("a held slot is refused")
         };
         assert_eq!(seen.held(t(2_000)).count(), 1);
         // Another slot is free.
-        assert!(matches!(store.take_host_slot(h, 4, t(2_000), t(17_000), 8).await.expect("take"), SlotWrite::Done(_)));
+        assert!(matches!(
+            store.pushes().take_host_slot(h, 4, t(2_000), t(17_000), 8).await.expect("take"),
+            SlotWrite::Done(_)
+        ));
         // A move by someone who does not hold it is refused.
-        let wrong = store.move_host_slot(h, 3, t(99_000), t(1_200), None, None, t(1_100)).await.expect("move");
+        let wrong = store.pushes().move_host_slot(h, 3, t(99_000), t(1_200), None, None, t(1_100)).await.expect("move");
         assert!(matches!(wrong, SlotWrite::Refused(_)));
         // Given back, with the limit moved: held for spacing only.
-        let SlotWrite::Done(r) =
-            store.move_host_slot(h, 3, t(16_000), t(1_160), None, Some((Some(8), 9)), t(1_100)).await.expect("move")
+        let SlotWrite::Done(r) = store
+            .pushes()
+            .move_host_slot(h, 3, t(16_000), t(1_160), None, Some((Some(8), 9)), t(1_100))
+            .await
+            .expect("move")
         else {
             panic!("the holder moves it")
         };
@@ -353,14 +362,16 @@ mod tests {
         assert_eq!(r.slots.get(&3), Some(&Slot { until: t(1_160), began: None }));
         // Free again after the spacing.
         assert!(matches!(
-            store.take_host_slot(h, 3, t(1_150), t(16_000), 8).await.expect("take"),
+            store.pushes().take_host_slot(h, 3, t(1_150), t(16_000), 8).await.expect("take"),
             SlotWrite::Refused(_)
         ));
-        let SlotWrite::Done(_) = store.take_host_slot(h, 3, t(1_160), t(16_160), 8).await.expect("take") else {
+        let SlotWrite::Done(_) = store.pushes().take_host_slot(h, 3, t(1_160), t(16_160), 8).await.expect("take")
+        else {
             panic!("free after the spacing")
         };
         // A limit change on a stale `seen` is dropped; the move itself happens.
         let SlotWrite::Done(r) = store
+            .pushes()
             .move_host_slot(h, 3, t(16_160), t(31_000), Some(t(16_000)), Some((Some(8), 4)), t(1_200))
             .await
             .expect("move")
@@ -370,14 +381,20 @@ mod tests {
         assert_eq!(r.limit, Some(9), "another worker's change stands");
         assert_eq!(r.slots.get(&3), Some(&Slot { until: t(31_000), began: Some(t(16_000)) }));
         // A decrease is stamped.
-        let SlotWrite::Done(r) =
-            store.move_host_slot(h, 3, t(31_000), t(1_300), None, Some((Some(9), 4)), t(1_250)).await.expect("move")
+        let SlotWrite::Done(r) = store
+            .pushes()
+            .move_host_slot(h, 3, t(31_000), t(1_300), None, Some((Some(9), 4)), t(1_250))
+            .await
+            .expect("move")
         else {
             panic!("moved")
         };
         assert_eq!((r.limit, r.limit_at), (Some(4), Some(t(1_250))));
         // A crashed holder's lease lapses.
-        assert!(matches!(store.take_host_slot(h, 4, t(17_000), t(32_000), 8).await.expect("take"), SlotWrite::Done(_)));
+        assert!(matches!(
+            store.pushes().take_host_slot(h, 4, t(17_000), t(32_000), 8).await.expect("take"),
+            SlotWrite::Done(_)
+        ));
     }
 
     /// DynamoDB's size of an item (its documented rules: names plus values; a number is about
@@ -405,7 +422,7 @@ mod tests {
         let now = t(1_796_000_000_123);
         let until = t(1_796_000_015_123);
         for slot in 0..MAX_SLOTS {
-            let SlotWrite::Done(r) = store.take_host_slot(&h, slot, now, until, 8).await.expect("take") else {
+            let SlotWrite::Done(r) = store.pushes().take_host_slot(&h, slot, now, until, 8).await.expect("take") else {
                 panic!("slot {slot} is free")
             };
             let item = item_of(slot);
@@ -420,7 +437,7 @@ mod tests {
             let out = store
                 .client
                 .get_item()
-                .table_name(&store.table)
+                .table_name(&*store.table)
                 .key(attr::PK, key(&h, item))
                 .consistent_read(true)
                 .send()
@@ -433,10 +450,11 @@ mod tests {
             let want: Vec<u32> = (item * SLOTS_PER_ITEM..(item + 1) * SLOTS_PER_ITEM).collect();
             assert_eq!(record.slots.keys().copied().collect::<Vec<_>>(), want);
         }
-        let all = store.host_record(&h).await.expect("read");
+        let all = store.pushes().host_record(&h).await.expect("read");
         assert_eq!((all.slots.len(), all.limit), (MAX_SLOTS as usize, Some(8)));
         // A raise made with slot 40 (second item) lands in the first item.
         let SlotWrite::Done(r) = store
+            .pushes()
             .move_host_slot(&h, 40, until, t(1_796_000_000_200), None, Some((Some(8), 9)), now)
             .await
             .expect("move")
@@ -445,9 +463,10 @@ mod tests {
         };
         assert_eq!(r.limit, Some(9));
         assert_eq!(r.slots.get(&40), Some(&Slot { until: t(1_796_000_000_200), began: None }));
-        assert_eq!(store.host_record(&h).await.expect("read").limit, Some(9));
+        assert_eq!(store.pushes().host_record(&h).await.expect("read").limit, Some(9));
         // A decrease on a stale view moves the slot and is told the limit that stands.
         let SlotWrite::Done(r) = store
+            .pushes()
             .move_host_slot(&h, 99, until, t(1_796_000_000_300), None, Some((Some(8), 4)), now)
             .await
             .expect("move")
@@ -458,12 +477,12 @@ mod tests {
         // A decrease on the current view is stamped.
         let later = t(1_796_000_001_000);
         let SlotWrite::Done(r) =
-            store.move_host_slot(&h, 200, until, later, None, Some((Some(9), 4)), later).await.expect("move")
+            store.pushes().move_host_slot(&h, 200, until, later, None, Some((Some(9), 4)), later).await.expect("move")
         else {
             panic!("the holder moves it")
         };
         assert_eq!((r.limit, r.limit_at), (Some(4), Some(later)));
-        let all = store.host_record(&h).await.expect("read");
+        let all = store.pushes().host_record(&h).await.expect("read");
         assert_eq!((all.limit, all.limit_at), (Some(4), Some(later)));
     }
 

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use aws_sdk_dynamodb::types::{AttributeValue, ReturnValue};
 
 use super::{
-    DELIVERY_CLEAR, DELIVERY_DUE, DELIVERY_INDEX, DUE_INDEX, Item, StoreError, TaskStore, UNSENT_CLEAR, attr,
+    DELIVERY_CLEAR, DELIVERY_DUE, DELIVERY_INDEX, DUE_INDEX, Item, PollIndex, StoreError, UNSENT_CLEAR, attr,
     condition_held, delivery_due, get_ts, get_u32, n, refused_item, req_ts, s, sdk_error,
 };
 use crate::domain::{Task, TaskRef, Via};
@@ -69,7 +69,7 @@ impl Reschedule {
     }
 }
 
-impl TaskStore {
+impl PollIndex {
     /// One page of tasks due for a poll at `now` in one index shard (a Query, never a Scan).
     pub async fn due_page(
         &self,
@@ -81,7 +81,7 @@ impl TaskStore {
         let out = self
             .client
             .query()
-            .table_name(&self.table)
+            .table_name(&*self.table)
             .index_name(DUE_INDEX)
             .key_condition_expression("poll_shard = :shard AND poll_due_at <= :now")
             .expression_attribute_values(":shard", n(u64::from(shard)))
@@ -110,7 +110,7 @@ impl TaskStore {
         let res = self
             .client
             .update_item()
-            .table_name(&self.table)
+            .table_name(&*self.table)
             .key(attr::PK, s(due.task.task_ref.as_ref()))
             .update_expression(
                 "SET poll_due_at = :lease, lease_owner = :owner, poll_reads = if_not_exists(poll_reads, :zero) + :r",
@@ -145,7 +145,7 @@ impl TaskStore {
         let mut req = self
             .client
             .update_item()
-            .table_name(&self.table)
+            .table_name(&*self.table)
             .key(attr::PK, s(task_ref.as_ref()))
             .update_expression(format!("SET {} REMOVE lease_owner", set.join(", ")))
             .condition_expression("lease_owner = :owner AND #state IN (:submitting, :pending)")
@@ -176,7 +176,7 @@ impl TaskStore {
         let res = self
             .client
             .update_item()
-            .table_name(&self.table)
+            .table_name(&*self.table)
             .key(attr::PK, s(task_ref.as_ref()))
             .update_expression(format!(
                 "SET #state = :expired, error_detail = :reason, resolved_at = :now, resolved_via = :via, \
@@ -218,7 +218,7 @@ impl TaskStore {
             let mut pages = self
                 .client
                 .query()
-                .table_name(&self.table)
+                .table_name(&*self.table)
                 .index_name(index)
                 .key_condition_expression("#k = :shard")
                 .expression_attribute_names("#k", key)
@@ -247,7 +247,7 @@ impl TaskStore {
         let queries = (0..self.shards.read()).map(|shard| {
             self.client
                 .query()
-                .table_name(&self.table)
+                .table_name(&*self.table)
                 .index_name(DUE_INDEX)
                 .key_condition_expression("poll_shard = :shard AND poll_due_at > :now")
                 .expression_attribute_values(":shard", n(u64::from(shard)))

@@ -27,7 +27,7 @@ use std::time::Duration;
 use aws_sdk_dynamodb::types::AttributeValue;
 
 use super::{
-    Breaker, Created, DELIVERY_CLEAR, DELIVERY_DUE, Item, StoreError, TaskStore, UNSENT_CLEAR, attr, condition_held,
+    Breaker, Created, DELIVERY_CLEAR, DELIVERY_DUE, Item, StoreError, SubmitQueue, UNSENT_CLEAR, attr, condition_held,
     corrupt, decode, delivery_due, get_s, get_ts, n, refused_item, req_s, req_ts, s, sdk_error,
 };
 use crate::captchaai::SubmitRequest;

@@ -17,7 +17,7 @@ use secrecy::{ExposeSecret, SecretString};
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
-use super::{StoreError, TaskStore, get_s, get_ts, n, s, sdk_error};
+use super::{KeyAdmin, StoreError, TaskStore, get_s, get_ts, n, s, sdk_error};
 use crate::domain::PingbackForm;
 use crate::time::Timestamp;
 
@@ -130,7 +130,7 @@ impl RelayKeys {
         let out = store
             .client
             .get_item()
-            .table_name(&store.table)
+            .table_name(&*store.table)
             .key(super::attr::PK, s(&format!("{PREFIX}{}", hex::encode(d))))
             .send()
             .await
@@ -163,7 +163,7 @@ fn pingback_of(item: &HashMap<String, AttributeValue>) -> Result<PingbackForm, S
         .map(Option::unwrap_or_default)
 }
 
-impl TaskStore {
+impl KeyAdmin {
     /// Makes a new relay key named `name` with CaptchaAI's pingback form (see
     /// [`Self::create_relay_key_with`]).
     pub async fn create_relay_key(&self, name: &str, now: Timestamp) -> Result<SecretString, StoreError> {
@@ -191,7 +191,7 @@ impl TaskStore {
         let key = uuid::Uuid::new_v4().simple().to_string();
         self.client
             .put_item()
-            .table_name(&self.table)
+            .table_name(&*self.table)
             .item(super::attr::PK, s(&format!("{PREFIX}{}", hex::encode(digest(&key)))))
             .item("key_name", s(name))
             .item("created_at", n(now.as_millis()))
@@ -210,7 +210,7 @@ impl TaskStore {
         let mut pages = self
             .client
             .scan()
-            .table_name(&self.table)
+            .table_name(&*self.table)
             .filter_expression("begins_with(pk, :p)")
             .expression_attribute_values(":p", s(PREFIX))
             .consistent_read(true)
@@ -243,7 +243,7 @@ impl TaskStore {
             }
             self.client
                 .update_item()
-                .table_name(&self.table)
+                .table_name(&*self.table)
                 .key(super::attr::PK, AttributeValue::S(format!("{PREFIX}{}", k.digest)))
                 .update_expression("SET pingback_form = :f")
                 .condition_expression("attribute_exists(pk) AND attribute_not_exists(revoked_at)")
@@ -272,7 +272,7 @@ impl TaskStore {
             }
             self.client
                 .update_item()
-                .table_name(&self.table)
+                .table_name(&*self.table)
                 .key(super::attr::PK, AttributeValue::S(format!("{PREFIX}{}", k.digest)))
                 .update_expression("SET revoked_at = :now")
                 .condition_expression("attribute_exists(pk) AND attribute_not_exists(revoked_at)")
@@ -296,8 +296,8 @@ mod tests {
         let db = LocalDynamo::start().await?;
         let store = db.fresh_store().await?;
         let t = Timestamp::from_millis(1_796_210_146_000);
-        let old = store.create_relay_key("scraper", t).await?;
-        let new = store.create_relay_key("scraper", t.plus(Duration::from_secs(1))).await?;
+        let old = store.key_admin().create_relay_key("scraper", t).await?;
+        let new = store.key_admin().create_relay_key("scraper", t.plus(Duration::from_secs(1))).await?;
         assert_eq!(old.expose_secret().len(), 32);
         assert_ne!(old.expose_secret(), new.expose_secret());
         // Fresh checkers (no cache) see what the table holds.
@@ -316,23 +316,23 @@ mod tests {
         let dump = format!("{:?}", items.items());
         assert!(!dump.contains(old.expose_secret()) && !dump.contains(new.expose_secret()));
         // Rotation: revoke only the old one (by its digest prefix); the new one keeps working.
-        let listed = store.list_relay_keys().await?;
+        let listed = store.key_admin().list_relay_keys().await?;
         assert_eq!(listed.len(), 2);
         let old_prefix = hex::encode(digest(old.expose_secret()))[..8].to_owned();
-        assert_eq!(store.revoke_relay_keys("scraper", Some(&old_prefix), t).await?, 1);
+        assert_eq!(store.key_admin().revoke_relay_keys("scraper", Some(&old_prefix), t).await?, 1);
         assert_eq!(check(old.expose_secret()).await?, KeyCheck::Unknown);
         assert_eq!(check(new.expose_secret()).await?, KeyCheck::Valid("scraper".into()));
-        assert_eq!(store.revoke_relay_keys("scraper", None, t).await?, 1, "the remaining live one");
+        assert_eq!(store.key_admin().revoke_relay_keys("scraper", None, t).await?, 1, "the remaining live one");
         assert_eq!(check(new.expose_secret()).await?, KeyCheck::Unknown);
-        assert!(store.create_relay_key("bad name", t).await.is_err());
+        assert!(store.key_admin().create_relay_key("bad name", t).await.is_err());
         // A key for code written against 2captcha: its tasks are pushed the POST way; the form
         // can be changed later, for every live key of the name.
-        let post = store.create_relay_key_with("legacy", PingbackForm::Post, t).await?;
+        let post = store.key_admin().create_relay_key_with("legacy", PingbackForm::Post, t).await?;
         let posts = KeyCheck::Valid(KeyGrant { name: "legacy".into(), pingback: PingbackForm::Post });
         assert_eq!(check(post.expose_secret()).await?, posts);
-        assert_eq!(store.set_relay_key_pingback("legacy", PingbackForm::Get).await?, 1);
+        assert_eq!(store.key_admin().set_relay_key_pingback("legacy", PingbackForm::Get).await?, 1);
         assert_eq!(check(post.expose_secret()).await?, KeyCheck::Valid("legacy".into()));
-        assert_eq!(store.set_relay_key_pingback("nobody", PingbackForm::Post).await?, 0);
+        assert_eq!(store.key_admin().set_relay_key_pingback("nobody", PingbackForm::Post).await?, 0);
         Ok(())
     }
 
@@ -343,9 +343,9 @@ mod tests {
         let fixed = SecretString::from("local-api-key-0123456789".to_owned());
         let keys = RelayKeys::new(Some(store.clone())).with_fixed("local".into(), &fixed);
         assert_eq!(keys.check("local-api-key-0123456789").await?, KeyCheck::Valid("local".into()));
-        let k = store.create_relay_key("ci", Timestamp::from_millis(1)).await?;
+        let k = store.key_admin().create_relay_key("ci", Timestamp::from_millis(1)).await?;
         assert_eq!(keys.check(k.expose_secret()).await?, KeyCheck::Valid("ci".into()));
-        store.revoke_relay_keys("ci", None, Timestamp::from_millis(2)).await?;
+        store.key_admin().revoke_relay_keys("ci", None, Timestamp::from_millis(2)).await?;
         // Within CACHE_FOR the checker still has its answer: one read per key a minute.
         assert_eq!(keys.check(k.expose_secret()).await?, KeyCheck::Valid("ci".into()));
         assert_eq!(RelayKeys::new(None).check(k.expose_secret()).await?, KeyCheck::Unknown);

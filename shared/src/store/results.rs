@@ -5,7 +5,7 @@ use aws_sdk_dynamodb::operation::update_item::builders::UpdateItemFluentBuilder;
 use aws_sdk_dynamodb::types::{ReturnValue, ReturnValuesOnConditionCheckFailure};
 
 use super::{
-    DELIVERY_CLEAR, DELIVERY_DUE, StoreError, TaskStore, attr, decode, delivery_due, n, refused_item, s, sdk_error,
+    DELIVERY_CLEAR, DELIVERY_DUE, Results, StoreError, attr, decode, delivery_due, n, refused_item, s, sdk_error,
 };
 use crate::domain::{Applied, CaptchaId, IncomingResult, Outcome, Task, TaskRef, TaskState, TransitionError, Via};
 use crate::time::Timestamp;
@@ -34,7 +34,7 @@ pub enum RecordOutcome {
     Late(Task),
 }
 
-impl TaskStore {
+impl Results {
     /// Records a delivered result with ONE conditional write. Applied exactly once however
     /// many times, and by however many paths, it is delivered. A task takes a result while it is
     /// open, when its submit was reported failed (the result proves in.php accepted it), and when
@@ -136,7 +136,7 @@ impl TaskStore {
         let mut req = self
             .client
             .update_item()
-            .table_name(&self.table)
+            .table_name(&*self.table)
             .key(attr::PK, s(task_ref.as_ref()))
             .expression_attribute_names("#state", attr::STATE)
             .expression_attribute_values(":id", s(d.captcha_id.as_ref()))
@@ -210,7 +210,7 @@ impl TaskStore {
         let res = self
             .client
             .update_item()
-            .table_name(&self.table)
+            .table_name(&*self.table)
             .key(attr::PK, s(task_ref.as_ref()))
             .update_expression(format!(
                 "SET late_code = :code, late_at = :at, late_via = :via, late_clock = :clock, \
@@ -265,7 +265,7 @@ impl TaskStore {
         let res = self
             .client
             .update_item()
-            .table_name(&self.table)
+            .table_name(&*self.table)
             .key(attr::PK, s(shown.task_ref.as_ref()))
             .update_expression("SET handed_out_at = :now")
             .condition_expression("#state = :state AND resolved_at = :at AND attribute_not_exists(handed_out_at)")

@@ -8,7 +8,7 @@
 use aws_sdk_dynamodb::error::SdkError;
 use aws_sdk_dynamodb::operation::delete_item::DeleteItemError;
 
-use super::{StoreError, TaskStore, attr, get_s, n, s, sdk_error};
+use super::{Retention, StoreError, attr, get_s, n, s, sdk_error};
 use crate::domain::{Task, TaskRef};
 use crate::time::Timestamp;
 
@@ -44,7 +44,7 @@ pub fn erasure_owner(key: Option<&str>, owner: Option<&str>) -> Result<String, S
     }
 }
 
-impl TaskStore {
+impl Retention {
     /// Reads a task as its owner (or an operator) may see it at `now`: `None` once its retention
     /// has ended (`expires_ttl`: `RETENTION_DAYS` after it was created, or after its result),
     /// even while the table still holds it.
@@ -94,7 +94,7 @@ impl TaskStore {
         let mut pages = self
             .client
             .scan()
-            .table_name(&self.table)
+            .table_name(&*self.table)
             .filter_expression(&filter)
             .projection_expression("#pk")
             .expression_attribute_names("#pk", attr::PK)
@@ -114,7 +114,7 @@ impl TaskStore {
                 let res = self
                     .client
                     .delete_item()
-                    .table_name(&self.table)
+                    .table_name(&*self.table)
                     .key(attr::PK, s(pk))
                     .condition_expression(&filter)
                     .expression_attribute_names("#a", name)
@@ -139,6 +139,7 @@ mod tests {
 
     use super::*;
     use crate::domain::{CaptchaKind, IncomingResult, Outcome, Solution, Via};
+    use crate::store::TaskStore;
     use crate::testkit::LocalDynamo;
 
     fn t(secs: u64) -> Timestamp {
@@ -147,7 +148,7 @@ mod tests {
 
     async fn solved(store: &TaskStore, owner: &str, at: Timestamp) -> anyhow::Result<TaskRef> {
         let task = Task { owner: Some(owner.into()), ..Task::new(TaskRef::generate(), CaptchaKind::Turnstile, at) };
-        store.create(&task, at.plus(Duration::from_secs(60)), None).await?;
+        store.tasks().create(&task, at.plus(Duration::from_secs(60)), None).await?;
         let d = IncomingResult {
             captcha_id: crate::domain::CaptchaId::parse("77")?,
             outcome: Outcome::Solved(Solution::parse("tok-retained")?),
@@ -155,7 +156,7 @@ mod tests {
             via: Via::Callback,
             token_clock_start: at,
         };
-        store.record_result(&task.task_ref, &d).await?;
+        store.results().record_result(&task.task_ref, &d).await?;
         Ok(task.task_ref)
     }
 
@@ -170,18 +171,18 @@ mod tests {
         let young = solved(&store, "key:scraper", t(1_000_000 + 3 * 86_400)).await?;
         let at_8_days = t(1_000_000 + 8 * 86_400);
         // Within its retention: handed out. Past it: refused, though the item is still there.
-        assert!(store.get_retained(&old, t(1_000_100)).await?.is_some());
-        assert!(store.get_retained(&old, at_8_days).await?.is_none(), "past retention");
-        assert!(store.get(&old).await?.is_some(), "the table still holds it until a sweep");
+        assert!(store.retention().get_retained(&old, t(1_000_100)).await?.is_some());
+        assert!(store.retention().get_retained(&old, at_8_days).await?.is_none(), "past retention");
+        assert!(store.tasks().get(&old).await?.is_some(), "the table still holds it until a sweep");
         // 7 days from its result, to the second: still handed out just before, not at it.
         let ends = t(1_000_010).plus(week);
-        assert!(store.get_retained(&old, ends.minus(Duration::from_secs(1))).await?.is_some());
-        assert!(store.get_retained(&old, ends).await?.is_none(), "7 days from its result");
+        assert!(store.retention().get_retained(&old, ends.minus(Duration::from_secs(1))).await?.is_some());
+        assert!(store.retention().get_retained(&old, ends).await?.is_none(), "7 days from its result");
         // The sweep: the expired one goes, the young one stays; bounded per pass.
-        let r = store.sweep_expired(at_8_days, 100).await?;
+        let r = store.retention().sweep_expired(at_8_days, 100).await?;
         assert_eq!((r.deleted, r.more), (1, false), "{r:?}");
-        assert!(store.get(&old).await?.is_none());
-        assert!(store.get_retained(&young, at_8_days).await?.is_some());
+        assert!(store.tasks().get(&old).await?.is_none());
+        assert!(store.retention().get_retained(&young, at_8_days).await?.is_some());
         Ok(())
     }
 
@@ -194,13 +195,13 @@ mod tests {
             theirs.push(solved(&store, "key:leaver", t(2_000_000 + i)).await?);
         }
         let mine = solved(&store, "key:stayer", t(2_000_000)).await?;
-        let r = store.erase_owner("key:leaver").await?;
+        let r = store.retention().erase_owner("key:leaver").await?;
         assert_eq!(r.deleted, 5, "{r:?}");
         for r in &theirs {
-            assert!(store.get(r).await?.is_none(), "{r} erased");
+            assert!(store.tasks().get(r).await?.is_none(), "{r} erased");
         }
-        assert!(store.get(&mine).await?.is_some(), "another owner's task stays");
-        assert_eq!(store.erase_owner("key:leaver").await?.deleted, 0, "nothing left to erase");
+        assert!(store.tasks().get(&mine).await?.is_some(), "another owner's task stays");
+        assert_eq!(store.retention().erase_owner("key:leaver").await?.deleted, 0, "nothing left to erase");
         Ok(())
     }
 }

@@ -6,7 +6,7 @@ use aws_sdk_dynamodb::types::{ReturnValue, ReturnValuesOnConditionCheckFailure};
 use aws_sdk_dynamodb::error::SdkError;
 
 use super::{
-    Item, StoreError, TaskStore, attr, condition_held, decode, deliveries, get_s, n, queue, refused_item, s, sdk_error,
+    Item, StoreError, Tasks, attr, condition_held, decode, deliveries, get_s, n, queue, refused_item, s, sdk_error,
 };
 use crate::domain::{CaptchaId, Task, TaskRef, Via};
 use crate::time::Timestamp;
@@ -31,7 +31,12 @@ pub enum SubmitRecorded {
     AlreadyResolved(Task),
 }
 
-impl TaskStore {
+impl Tasks {
+    /// Reads a task (strongly consistent).
+    pub async fn get(&self, task_ref: &TaskRef) -> Result<Option<Task>, StoreError> {
+        self.get_item(task_ref).await?.as_ref().map(Task::try_from).transpose()
+    }
+
     /// Records a new task (state submitting) before in.php is called. `deadline` is when the
     /// poller should look at it if in.php's answer never gets stored. With an idempotency key's
     /// `fingerprint` (of the request it came with), the reference was derived from the key: if a
@@ -123,7 +128,7 @@ impl TaskStore {
         let res = self
             .client
             .put_item()
-            .table_name(&self.table)
+            .table_name(&*self.table)
             .set_item(Some(item))
             .condition_expression("attribute_not_exists(pk)")
             .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
@@ -157,7 +162,7 @@ impl TaskStore {
         let res = self
             .client
             .delete_item()
-            .table_name(&self.table)
+            .table_name(&*self.table)
             .key(attr::PK, s(task_ref.as_ref()))
             .condition_expression(
                 "#state = :submitting AND attribute_not_exists(captcha_id) AND attribute_not_exists(submit_unknown)",
@@ -184,7 +189,7 @@ impl TaskStore {
         let res = self
             .client
             .update_item()
-            .table_name(&self.table)
+            .table_name(&*self.table)
             .key(attr::PK, s(task_ref.as_ref()))
             .update_expression("SET submit_unknown = :d")
             .condition_expression("#state = :submitting")
@@ -207,7 +212,7 @@ impl TaskStore {
         let res = self
             .client
             .update_item()
-            .table_name(&self.table)
+            .table_name(&*self.table)
             .key(attr::PK, s(task_ref.as_ref()))
             .update_expression(
                 "SET #state = :pending, captcha_id = :id, submitted_at = :now, poll_due_at = :due \
@@ -246,7 +251,7 @@ impl TaskStore {
         let res = self
             .client
             .update_item()
-            .table_name(&self.table)
+            .table_name(&*self.table)
             .key(attr::PK, s(task_ref.as_ref()))
             .update_expression(
                 "SET #state = :failed, error_code = :code, error_detail = :detail, resolved_at = :now, \

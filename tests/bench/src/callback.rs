@@ -71,6 +71,7 @@ struct Rig {
     client: Client,
     table: String,
     deps: relay_callback::Deps,
+    store: TaskStore,
     signer: CallbackSigner,
     token: String,
 }
@@ -85,14 +86,14 @@ impl Rig {
         let dead_letters: Arc<dyn DeadLetterSink> = Arc::new(MemorySink::default());
         // The recent-results cache off: every duplicate is a refused write, as the target is about.
         let deps = relay_callback::Deps {
-            store,
+            results: store.results(),
             signer: signer.clone(),
             clock: Arc::new(SystemClock),
             dead_letters,
             recent: relay_callback::RecentResults::disabled(),
         };
         let token: String = std::iter::repeat("03AFcWeA6x").flat_map(str::chars).take(TOKEN_LEN).collect();
-        Ok(Self { client, table, deps, signer, token })
+        Ok(Self { client, table, deps, store, signer, token })
     }
 
     /// `n` tasks accepted by in.php (state pending), as the API leaves them. Returns (ref, id).
@@ -103,8 +104,8 @@ impl Rig {
             let task_ref = TaskRef::generate();
             let id = CaptchaId::parse(&format!("{}", 70_000_000_000u64 + i as u64))?;
             let task = Task::new(task_ref.clone(), CaptchaKind::RecaptchaV2, now);
-            self.deps.store.create(&task, now.plus(Duration::from_secs(600)), None).await?;
-            self.deps.store.mark_submitted(&task_ref, &id, now, now.plus(Duration::from_secs(120))).await?;
+            self.store.tasks().create(&task, now.plus(Duration::from_secs(600)), None).await?;
+            self.store.tasks().mark_submitted(&task_ref, &id, now, now.plus(Duration::from_secs(120))).await?;
             out.push((task_ref, id));
         }
         Ok(out)
@@ -362,7 +363,7 @@ async fn timed(
                     via: relay_shared::domain::Via::Callback,
                     token_clock_start: relay_shared::time::Timestamp::from_millis(0),
                 };
-                let out = rig.deps.store.record_result(r, &d).await?;
+                let out = rig.deps.results.record_result(r, &d).await?;
                 anyhow::ensure!(
                     matches!(
                         (&out, first),

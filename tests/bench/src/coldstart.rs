@@ -255,9 +255,10 @@ async fn stack(moto: &str) -> anyhow::Result<Stack> {
     let task = TaskRef::generate();
     let captcha_id = CaptchaId::parse("81234567890")?;
     store
+        .tasks()
         .create(&Task::new(task.clone(), CaptchaKind::RecaptchaV2, now), now.plus(Duration::from_secs(600)), None)
         .await?;
-    store.mark_submitted(&task, &captcha_id, now, now.plus(Duration::from_secs(120))).await?;
+    store.tasks().mark_submitted(&task, &captcha_id, now, now.plus(Duration::from_secs(120))).await?;
     // A bare item for the floor, outside the relay's indexes: the poller's and the sweep's
     // starts must find nothing open.
     let floor_task = TaskRef::generate();

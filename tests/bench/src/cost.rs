@@ -225,7 +225,7 @@ pub async fn run(opts: &Opts) -> anyhow::Result<String> {
     }
     let _ = emf;
 
-    let solved = store.get(&tasks[0].0).await?.ok_or_else(|| anyhow::anyhow!("task vanished"))?;
+    let solved = store.tasks().get(&tasks[0].0).await?.ok_or_else(|| anyhow::anyhow!("task vanished"))?;
     let raw = client
         .get_item()
         .table_name(&table)
@@ -304,7 +304,7 @@ async fn idle_tick(deployed: &relay_sim::Deployed) -> anyhow::Result<Idle> {
     relay_shared::store::schema::create_table(&client, &table).await?;
     let fake = fake_captchaai::FakeCaptchaAi::start(fake_captchaai::FakeConfig::captchaai_like()).await?;
     let deps = relay_poller::Deps {
-        store: TaskStore::new(client, table, Duration::from_secs(7 * 86_400)),
+        store: relay_poller::Store::new(&TaskStore::new(client, table, Duration::from_secs(7 * 86_400))),
         captchaai: relay_shared::captchaai::CaptchaAiClient::new(
             &fake.base_url(),
             SecretString::from(fake.api_key()),
@@ -366,7 +366,7 @@ async fn idle_submit(deployed: &relay_sim::Deployed) -> anyhow::Result<Idle> {
     relay_shared::store::schema::create_table(&client, &table).await?;
     let fake = fake_captchaai::FakeCaptchaAi::start(fake_captchaai::FakeConfig::captchaai_like()).await?;
     let deps = relay_submitter::Deps {
-        store: TaskStore::new(client, table, Duration::from_secs(7 * 86_400)),
+        store: relay_submitter::Store::new(&TaskStore::new(client, table, Duration::from_secs(7 * 86_400))),
         captchaai: relay_shared::captchaai::CaptchaAiClient::new(
             &fake.base_url(),
             SecretString::from(fake.api_key()),

@@ -83,7 +83,8 @@ impl PollRun {
 /// Swaps the poller's store for one whose client counts what it sends.
 fn count_poller(world: &mut World) -> OperationCounter {
     let (client, counter) = world.db.counting_client();
-    world.poller.store = TaskStore::new(client, world.store.table(), Duration::from_secs(7 * 86_400));
+    world.poller.store =
+        relay_poller::Store::new(&TaskStore::new(client, world.store.table(), Duration::from_secs(7 * 86_400)));
     counter
 }
 
@@ -125,7 +126,7 @@ pub async fn stale(n: usize, batching: bool) -> anyhow::Result<PollRun> {
     (run.seed_res_php, run.seed_peak_tick, run.seed_ages) = (Some(seed), peak, seed_ages);
     // This poller's: when it read each short-lived token, against when the fake solved it.
     for o in world.owned().iter().filter(|o| o.kind.token_lifetime() == Some(Duration::from_secs(120))) {
-        let task = world.store.get(&o.task_ref).await?;
+        let task = world.store.tasks().get(&o.task_ref).await?;
         let solved = o.captcha_id.as_deref().and_then(|id| world.fake.task(id)).map(|t| t.solved_at);
         if let (Some(relay_shared::domain::TaskState::Solved { resolved_at, via, .. }), Some(solved)) =
             (task.map(|t| t.state), solved)
@@ -192,8 +193,8 @@ pub async fn drain(n: usize, beside: usize, batching: bool) -> anyhow::Result<Po
             for id in chunk {
                 let task_ref = TaskRef::generate();
                 let task = Task::new(task_ref.clone(), CaptchaKind::Turnstile, now);
-                store.create(&task, now, None).await?;
-                store.mark_submitted(&task_ref, &CaptchaId::parse(&id)?, now, now).await?;
+                store.tasks().create(&task, now, None).await?;
+                store.tasks().mark_submitted(&task_ref, &CaptchaId::parse(&id)?, now, now).await?;
             }
             anyhow::Ok(())
         });

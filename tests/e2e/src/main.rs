@@ -356,7 +356,8 @@ async fn submit(
                 if relay_key.is_some() {
                     if let Some(id) = text.strip_prefix("OK|") {
                         let task_ref = relay_shared::domain::TaskRef::from_compat_id(id)?;
-                        let task = store.get(&task_ref).await?.context("an accepted compat task is not stored")?;
+                        let task =
+                            store.tasks().get(&task_ref).await?.context("an accepted compat task is not stored")?;
                         let queued = matches!(task.state, relay_shared::domain::TaskState::Queued { .. })
                             || task.released_at.is_some();
                         return Ok((task_ref.to_string(), queued));
@@ -659,7 +660,7 @@ async fn scenario(
     let t0 = Instant::now();
     let store = relay_shared::store::TaskStore::new(client_for(moto), table, Duration::from_secs(7 * 86_400));
     // A relay key, made as `relay-ops keys create` makes one, in the table the functions use.
-    let relay_key = store.create_relay_key("e2e", SystemClock.now()).await?;
+    let relay_key = store.key_admin().create_relay_key("e2e", SystemClock.now()).await?;
     let relay_key = secrecy::ExposeSecret::expose_secret(&relay_key);
     let owned = std::sync::Arc::new(std::sync::Mutex::new(Vec::<Owned>::with_capacity(cfg.tasks)));
     let stop = std::sync::atomic::AtomicBool::new(false);
@@ -888,7 +889,7 @@ async fn pushes_settled(moto: &str, table: &str, owned: &std::sync::Mutex<Vec<Ow
         .unwrap_or_default();
     for r in refs {
         let Ok(task_ref) = relay_shared::domain::TaskRef::parse(&r) else { return false };
-        let Ok(Some(task)) = store.get(&task_ref).await else { return false };
+        let Ok(Some(task)) = store.tasks().get(&task_ref).await else { return false };
         let status = task.delivery.map(|d| d.status);
         if !matches!(status, Some(DeliveryStatus::Delivered | DeliveryStatus::Gone)) {
             return false;
@@ -1107,7 +1108,7 @@ async fn check(
     // queue by the submitter (the store keeps `released_at`).
     let mut routes = [(0usize, 0usize, 0usize); 2];
     for o in owned {
-        let task = store.get(&TaskRef::parse(&o.task_ref)?).await?.context("a task vanished")?;
+        let task = store.tasks().get(&TaskRef::parse(&o.task_ref)?).await?.context("a task vanished")?;
         let route = &mut routes[usize::from(task.task_ref.compat_id().is_some())];
         route.0 += 1;
         route.1 += usize::from(o.queued);

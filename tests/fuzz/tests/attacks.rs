@@ -288,12 +288,12 @@ fn assert_refused(attack: &Attack, status: u16, body: &str) {
 }
 
 async fn still_waiting(store: &TaskStore, r: &TaskRef, what: &str) {
-    let t = store.get(r).await.ok().flatten().unwrap_or_else(|| panic!("{what}: the task is gone"));
+    let t = store.tasks().get(r).await.ok().flatten().unwrap_or_else(|| panic!("{what}: the task is gone"));
     assert!(matches!(t.state, TaskState::Pending { .. }), "{what}: the task changed: {:?}", t.state);
 }
 
 async fn solved_with(store: &TaskStore, r: &TaskRef, token: &str) {
-    let t = store.get(r).await.ok().flatten().unwrap_or_else(|| panic!("the task is gone"));
+    let t = store.tasks().get(r).await.ok().flatten().unwrap_or_else(|| panic!("the task is gone"));
     match t.state {
         TaskState::Solved { solution, .. } => assert_eq!(solution.expose(), token),
         other => panic!("a genuine pingback was not recorded: {other:?}"),
@@ -325,15 +325,15 @@ async fn handlers(auth: relay_shared::http::Authorizer) -> anyhow::Result<Handle
     let mut made = Vec::new();
     for id in ["71000001", "71000002"] {
         let task = Task::new(TaskRef::generate(), CaptchaKind::Image, now);
-        store.create(&task, now, None).await?;
-        store.mark_submitted(&task.task_ref, &CaptchaId::parse(id)?, now, now).await?;
+        store.tasks().create(&task, now, None).await?;
+        store.tasks().mark_submitted(&task.task_ref, &CaptchaId::parse(id)?, now, now).await?;
         made.push((task.task_ref, id.to_owned()));
     }
     let [(a, a_id), (b, b_id)] = <[_; 2]>::try_from(made).map_err(|_| anyhow::anyhow!("two tasks"))?;
     let victims = Victims { a_sig: signer.sign(&a), b_sig: signer.sign(&b), a, a_id, b, b_id };
     let dead_letters = Arc::new(MemorySink::default());
     let api = relay_api::Deps {
-        store: store.clone(),
+        store: relay_api::Store::new(&store),
         captchaai: relay_shared::captchaai::CaptchaAiClient::new(
             &fake.base_url(),
             SecretString::from(fake.api_key()),
@@ -354,7 +354,7 @@ async fn handlers(auth: relay_shared::http::Authorizer) -> anyhow::Result<Handle
         delivery_policy: relay_shared::webhook::UrlPolicy::PublicHttps,
     };
     let callback =
-        relay_callback::Deps { store: store.clone(), signer, clock, dead_letters, recent: Default::default() };
+        relay_callback::Deps { results: store.results(), signer, clock, dead_letters, recent: Default::default() };
     Ok(Handlers { _db: db, fake, store, api, callback, victims })
 }
 

@@ -95,7 +95,7 @@ fn api() -> &'static ApiWorld {
             .await
             .unwrap_or_else(|e| panic!("{e}"));
             let deps = relay_api::Deps {
-                store: db.fresh_store().await.unwrap_or_else(|e| panic!("{e}")),
+                store: relay_api::Store::new(&db.fresh_store().await.unwrap_or_else(|e| panic!("{e}"))),
                 captchaai: relay_shared::captchaai::CaptchaAiClient::new(
                     &fake.base_url(),
                     SecretString::from(fake.api_key()),
@@ -236,14 +236,14 @@ fn callback() -> &'static CallbackWorld {
             let store = db.fresh_store().await.unwrap_or_else(|e| panic!("{e}"));
             let now = Timestamp::from_millis(1_796_210_146_000);
             let task = Task::new(TaskRef::generate(), CaptchaKind::Image, now);
-            let _ = store.create(&task, now, None).await;
+            let _ = store.tasks().create(&task, now, None).await;
             let id = CaptchaId::parse("71000001").unwrap_or_else(|e| panic!("{e}"));
-            let _ = store.mark_submitted(&task.task_ref, &id, now, now).await;
+            let _ = store.tasks().mark_submitted(&task.task_ref, &id, now, now).await;
             let signer =
                 relay_shared::signing::CallbackSigner::new(SecretString::from("fuzz-signing-secret".to_owned()));
             let sig = signer.sign(&task.task_ref);
             let deps = relay_callback::Deps {
-                store,
+                results: store.results(),
                 signer,
                 clock: Arc::new(ManualClock::at(now)),
                 dead_letters: Arc::new(MemorySink::default()),

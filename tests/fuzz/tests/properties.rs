@@ -191,14 +191,17 @@ async fn store_agrees_with_the_model(events: Vec<Ev>) -> Result<(), TestCaseErro
     let task = Task::new(TaskRef::generate(), CaptchaKind::Turnstile, t(now));
     let r = task.task_ref.clone();
     let deadline = now + 600_000;
-    prop_assert_eq!(store.create(&task, t(deadline), None).await.map_err(|e| fail(e.into()))?, Created::New);
+    prop_assert_eq!(store.tasks().create(&task, t(deadline), None).await.map_err(|e| fail(e.into()))?, Created::New);
     let mut m = Model { task, due_at: Some(deadline), lease_owner: None };
     for e in events {
         now += 1_000;
         match e {
             Ev::Submitted { id } => {
-                let got =
-                    store.mark_submitted(&r, &cid(id), t(now), t(now + 25_000)).await.map_err(|e| fail(e.into()))?;
+                let got = store
+                    .tasks()
+                    .mark_submitted(&r, &cid(id), t(now), t(now + 25_000))
+                    .await
+                    .map_err(|e| fail(e.into()))?;
                 match m.task.clone().submitted(cid(id), t(now)) {
                     Ok(next) => {
                         prop_assert!(matches!(got, SubmitRecorded::Pending(_)), "{:?}", got);
@@ -210,14 +213,18 @@ async fn store_agrees_with_the_model(events: Vec<Ev>) -> Result<(), TestCaseErro
             }
             Ev::SubmitFailed => {
                 let code = ErrorCode::parse("ERROR_NO_SLOT_AVAILABLE").unwrap_or_else(|_| unreachable!());
-                store.mark_submit_failed(&r, code.as_ref(), "refused", t(now)).await.map_err(|e| fail(e.into()))?;
+                store
+                    .tasks()
+                    .mark_submit_failed(&r, code.as_ref(), "refused", t(now))
+                    .await
+                    .map_err(|e| fail(e.into()))?;
                 if let Ok(next) = m.task.clone().submit_failed(code, Some("refused".into()), t(now)) {
                     m.task = next;
                     m.due_at = None;
                 }
             }
             Ev::Unknown => {
-                let held = store.mark_submit_unknown(&r, "lost").await.map_err(|e| fail(e.into()))?;
+                let held = store.tasks().mark_submit_unknown(&r, "lost").await.map_err(|e| fail(e.into()))?;
                 let submitting = matches!(m.task.state, TaskState::Submitting { .. });
                 prop_assert_eq!(held, submitting);
                 if submitting {
@@ -226,7 +233,7 @@ async fn store_agrees_with_the_model(events: Vec<Ev>) -> Result<(), TestCaseErro
             }
             Ev::Deliver { id, token, error, via, received_back } => {
                 let d = delivery(id, token, error, via, t(now.saturating_sub(u64::from(received_back) * 1000)));
-                let got = store.record_result(&r, &d).await.map_err(|e| fail(e.into()))?;
+                let got = store.results().record_result(&r, &d).await.map_err(|e| fail(e.into()))?;
                 match (m.task.clone().apply(d.clone()), &got) {
                     (Ok(Applied::Recorded(next)), RecordOutcome::Recorded(stored)) => {
                         prop_assert_eq!(stored, &next);
@@ -234,14 +241,14 @@ async fn store_agrees_with_the_model(events: Vec<Ev>) -> Result<(), TestCaseErro
                         m.due_at = None;
                         m.lease_owner = None;
                         // The same delivery again: a duplicate, nothing written.
-                        let again = store.record_result(&r, &d).await.map_err(|e| fail(e.into()))?;
+                        let again = store.results().record_result(&r, &d).await.map_err(|e| fail(e.into()))?;
                         prop_assert!(matches!(again, RecordOutcome::Duplicate(_)), "{:?}", again);
                     }
                     (Ok(Applied::Replaced(next)), RecordOutcome::Replaced(stored))
                     | (Ok(Applied::Earlier(next)), RecordOutcome::Duplicate(stored)) => {
                         prop_assert_eq!(stored, &next);
                         m.task = next;
-                        let again = store.record_result(&r, &d).await.map_err(|e| fail(e.into()))?;
+                        let again = store.results().record_result(&r, &d).await.map_err(|e| fail(e.into()))?;
                         prop_assert!(matches!(again, RecordOutcome::Duplicate(_)), "{:?}", again);
                     }
                     (Ok(Applied::Late(next)), RecordOutcome::Late(_)) => m.task = next,
@@ -256,7 +263,7 @@ async fn store_agrees_with_the_model(events: Vec<Ev>) -> Result<(), TestCaseErro
             }
             Ev::Expire { owner } => {
                 let owner = format!("poller-{owner}");
-                let done = store.expire(&r, "deadline", t(now), &owner).await.map_err(|e| fail(e.into()))?;
+                let done = store.poll().expire(&r, "deadline", t(now), &owner).await.map_err(|e| fail(e.into()))?;
                 let allowed = open(&m.task.state)
                     && (m.due_at.is_some_and(|d| d <= now) || m.lease_owner.as_deref() == Some(owner.as_str()));
                 prop_assert_eq!(done, allowed, "expiry by {} at {} with {:?}", owner, now, m);
@@ -268,13 +275,18 @@ async fn store_agrees_with_the_model(events: Vec<Ev>) -> Result<(), TestCaseErro
             }
             Ev::Claim { owner } => {
                 let owner = format!("poller-{owner}");
-                let page =
-                    store.due_page(store.shards().of(&r), t(now), 100, None).await.map_err(|e| fail(e.into()))?;
+                let page = store
+                    .poll()
+                    .due_page(store.shards().of(&r), t(now), 100, None)
+                    .await
+                    .map_err(|e| fail(e.into()))?;
                 let listed = page.tasks.into_iter().find(|d| d.task.task_ref == r);
                 let due = open(&m.task.state) && m.due_at.is_some_and(|d| d <= now);
                 prop_assert_eq!(listed.is_some(), due, "listed when due: {:?}", m);
                 if let Some(d) = listed {
-                    prop_assert!(store.claim(&d, &owner, t(now + 90_000), true).await.map_err(|e| fail(e.into()))?);
+                    prop_assert!(
+                        store.poll().claim(&d, &owner, t(now + 90_000), true).await.map_err(|e| fail(e.into()))?
+                    );
                     m.due_at = Some(now + 90_000);
                     m.lease_owner = Some(owner);
                 }
@@ -282,19 +294,19 @@ async fn store_agrees_with_the_model(events: Vec<Ev>) -> Result<(), TestCaseErro
             Ev::Wait { secs } => now += u64::from(secs) * 1000,
             Ev::HandOut => {
                 // What the API does on a read: pin a result it is about to show.
-                let seen = store.get(&r).await.map_err(|e| fail(e.into()))?;
+                let seen = store.tasks().get(&r).await.map_err(|e| fail(e.into()))?;
                 if let Some(seen) = seen.filter(|s| s.needs_pin(t(now))) {
-                    let got = store.mark_handed_out(&seen, t(now)).await.map_err(|e| fail(e.into()))?;
+                    let got = store.results().mark_handed_out(&seen, t(now)).await.map_err(|e| fail(e.into()))?;
                     prop_assert!(got.is_none(), "nothing raced this pin: {:?}", got);
                     m.task.handed_out_at = Some(t(now));
                     // A pin made from an outdated read is refused and returns the item as it is.
-                    let again = store.mark_handed_out(&seen, t(now + 1)).await.map_err(|e| fail(e.into()))?;
+                    let again = store.results().mark_handed_out(&seen, t(now + 1)).await.map_err(|e| fail(e.into()))?;
                     prop_assert_eq!(again.and_then(|a| a.handed_out_at), Some(t(now)));
                 }
                 prop_assert!(!m.task.needs_pin(t(now)), "shown, so pinned: {:?}", m.task);
             }
         }
-        let stored = store.get(&r).await.map_err(|e| fail(e.into()))?;
+        let stored = store.tasks().get(&r).await.map_err(|e| fail(e.into()))?;
         prop_assert_eq!(stored.as_ref(), Some(&m.task), "the store agrees with the state machine");
     }
     Ok(())

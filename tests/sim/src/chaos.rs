@@ -266,7 +266,7 @@ pub async fn run(cfg: &ChaosConfig) -> anyhow::Result<ChaosReport> {
         let Ok(r) = relay_shared::domain::TaskRef::parse(p.split('/').rev().nth(1).unwrap_or_default()) else {
             continue;
         };
-        if let Some(task) = w.store.get(&r).await? {
+        if let Some(task) = w.store.tasks().get(&r).await? {
             let kept = match &task.state {
                 relay_shared::domain::TaskState::Solved { solution, .. } => {
                     Some(solution.expose()) == t.answer.as_deref()

@@ -401,7 +401,7 @@ impl World {
             _ => store.clone(),
         };
         let poller = relay_poller::Deps {
-            store: poller_store,
+            store: relay_poller::Store::new(&poller_store),
             captchaai: client(deployed.poller.read_timeout)?,
             settings: deployed.poller.clone(),
             owner: "sim-poller".into(),
@@ -727,7 +727,7 @@ impl World {
         let now = self.clock.now();
         for o in self.owned() {
             f.tasks += 1;
-            let task = self.store.get(&o.task_ref).await?.context("task vanished")?;
+            let task = self.store.tasks().get(&o.task_ref).await?.context("task vanished")?;
             let id = task.captcha_id.as_ref().map(|i| i.to_string());
             let ft = id.as_ref().and_then(|i| fake_tasks.get(i));
             if let Some(ft) = ft {

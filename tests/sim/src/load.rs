@@ -759,7 +759,7 @@ async fn check(w: &World, receiver: &Receiver, submitted: &[Submitted], r: &mut 
         let mut set = tokio::task::JoinSet::new();
         for s in chunk {
             let (store, t) = (w.store.clone(), s.task_ref.clone());
-            set.spawn(async move { store.get(&t).await });
+            set.spawn(async move { store.tasks().get(&t).await });
         }
         while let Some(got) = set.join_next().await {
             tasks.push(got??.context("a task vanished")?);

@@ -138,7 +138,7 @@ async fn burst(w: &World, n: usize, run: Duration) -> anyhow::Result<Outcome> {
     let mut solved = 0;
     let mut burst_to_solved = Vec::new();
     for r in &refs {
-        let t = w.store.get(r).await?.ok_or_else(|| anyhow::anyhow!("task {r} vanished"))?;
+        let t = w.store.tasks().get(r).await?.ok_or_else(|| anyhow::anyhow!("task {r} vanished"))?;
         if let (TaskState::Solved { solution, .. }, Some(id)) = (&t.state, &t.captcha_id)
             && let Some(ft) = by_id.get(id.as_ref())
             && ft.answer.as_deref() == Some(solution.expose())

@@ -163,7 +163,7 @@ fn submit_all(
 async fn stored(store: &TaskStore, submitted: &BTreeMap<String, String>) -> anyhow::Result<Vec<(Task, String)>> {
     let mut out = Vec::new();
     for (r, path) in submitted {
-        let task = store.get(&TaskRef::parse(r)?).await?.ok_or_else(|| anyhow::anyhow!("{r} is gone"))?;
+        let task = store.tasks().get(&TaskRef::parse(r)?).await?.ok_or_else(|| anyhow::anyhow!("{r} is gone"))?;
         out.push((task, path.clone()));
     }
     Ok(out)
@@ -243,7 +243,7 @@ async fn every_token_reaches_a_failing_owner_alive_through_a_kill() -> anyhow::R
     let (p50, p95, max) = p50_p95_max(&mut c.record_to_2xx_ms);
     let (l50, _, _) = p50_p95_max(&mut c.life_left_ms);
     let l_min = c.life_left_ms.first().copied().unwrap_or(0);
-    let host = w.store.host_record(&receiver.base_url.replace("http://", "")).await?;
+    let host = w.store.pushes().host_record(&receiver.base_url.replace("http://", "")).await?;
     println!("| tasks (all terminal) / of them fresh tokens when recorded | {} / {} |", c.tasks, c.fresh_at_record);
     println!(
         "| delivered / gone (410) / still owed / over 180 s | {} / {} / {} / {} |",

@@ -51,7 +51,11 @@ async fn a_backlog_after_a_ten_minute_callback_outage_is_drained_without_stalls_
     // again; batching off, 10 reads/s, first reads at the template's per-kind times.
     let mut w = World::start(FakeConfig { drop_callbacks: 1.0, ..FakeConfig::captchaai_like() }).await?;
     let (client, ops) = w.db.counting_client();
-    w.poller.store = relay_shared::store::TaskStore::new(client, w.store.table(), Duration::from_secs(86_400));
+    w.poller.store = relay_poller::Store::new(&relay_shared::store::TaskStore::new(
+        client,
+        w.store.table(),
+        Duration::from_secs(86_400),
+    ));
     w.schedule_poller(EPOCH);
     w.start_owner(steady(EPOCH, Duration::from_secs(600), 5_000, &MIX), None);
     w.run_for(Duration::from_secs(600)).await;
@@ -85,7 +89,7 @@ async fn a_ban_stops_all_traffic_within_one_request_and_nothing_is_lost() -> any
     let during = w.fake.counts();
     assert_eq!(during.requests_during_ban, 1, "the first answer opened the breaker; nothing after it");
     assert_eq!(during.res_php, before + 1);
-    let breaker = w.store.breaker().await?;
+    let breaker = w.store.account().breaker().await?;
     assert_eq!(breaker.reason.as_deref(), Some("IP_BANNED"));
     assert!(breaker.open_until.is_some_and(|u| u >= banned_at.plus(Duration::from_secs(300))));
     w.run_for(Duration::from_secs(600)).await;

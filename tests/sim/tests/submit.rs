@@ -28,7 +28,7 @@ async fn every_accepted_task_ends_solved(w: &World) -> anyhow::Result<u64> {
         let Some(pingback) = &ft.pingback else { continue };
         // The signed pingback path names our task: /callback/{ref}/{sig}.
         let task_ref = relay_shared::domain::TaskRef::parse(pingback.split('/').rev().nth(1).unwrap_or_default())?;
-        let t = w.store.get(&task_ref).await?.expect("the task exists");
+        let t = w.store.tasks().get(&task_ref).await?.expect("the task exists");
         match &t.state {
             relay_shared::domain::TaskState::Solved { solution, .. } => {
                 assert_eq!(Some(solution.expose().to_owned()), ft.answer, "{task_ref} holds the fake's answer")
@@ -197,10 +197,11 @@ async fn an_id_that_cannot_be_stored_is_dead_lettered_redriven_and_the_poller_re
         ("submitted", v["task_ref"].as_str().unwrap_or_default())
     );
     // The redrive function's logic stores it.
-    let outcome = relay_redrive::redrive_one(&w.store, &letters[0].to_json()).await;
+    let outcome = relay_redrive::redrive_one(&w.store.tasks(), &w.store.results(), &letters[0].to_json()).await;
     assert_eq!(outcome, relay_redrive::Redriven::Applied);
     let calls = every_accepted_task_ends_solved(&w).await?;
-    let t = w.store.get(&relay_shared::domain::TaskRef::parse(v["task_ref"].as_str().unwrap_or_default())?).await?;
+    let t =
+        w.store.tasks().get(&relay_shared::domain::TaskRef::parse(v["task_ref"].as_str().unwrap_or_default())?).await?;
     assert!(matches!(
         t.map(|t| t.state),
         Some(relay_shared::domain::TaskState::Solved { via: relay_shared::domain::Via::Poll, .. })
@@ -244,7 +245,7 @@ async fn a_plan_run_out_stops_submits_with_captchaais_code_until_it_is_renewed()
         queued.push(v["task_ref"].as_str().unwrap_or_default().to_owned());
     }
     w.run_for(Duration::from_secs(60)).await;
-    let b = w.store.breaker().await?;
+    let b = w.store.account().breaker().await?;
     assert!(b.plan_out() && b.open_for_submits_at(w.clock.now()).is_some(), "submits stopped: {b:?}");
     assert!(b.open_at(w.clock.now()).is_none(), "reads go on: results of tasks taken still come");
     let calls = w.fake.counts().in_php;
@@ -258,10 +259,10 @@ async fn a_plan_run_out_stops_submits_with_captchaais_code_until_it_is_renewed()
     assert_eq!(w.fake.counts().in_php, calls, "no call while the plan is out");
     // The plan is renewed and the operator closes the breaker: the queued tasks go and are solved.
     w.fake.configure(|c| c.plan_expired = false);
-    w.store.close_breaker().await?;
+    w.store.account().close_breaker().await?;
     w.run_for(Duration::from_secs(120)).await;
     for r in &queued {
-        let t = w.store.get(&relay_shared::domain::TaskRef::parse(r)?).await?.expect("stored");
+        let t = w.store.tasks().get(&relay_shared::domain::TaskRef::parse(r)?).await?.expect("stored");
         assert!(matches!(t.state, relay_shared::domain::TaskState::Solved { .. }), "{r}: {:?}", t.state);
     }
     println!(

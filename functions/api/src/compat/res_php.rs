@@ -37,7 +37,7 @@ impl Read {
 async fn read_one(raw_id: &str, deps: &Deps) -> Result<Read, relay_shared::store::StoreError> {
     let Ok(task_ref) = TaskRef::from_compat_id(raw_id) else { return Ok(Read::code("ERROR_WRONG_CAPTCHA_ID")) };
     // Past its retention a task is unknown, whether or not the table still holds it.
-    let Some(task) = deps.store.get_retained(&task_ref, deps.clock.now()).await? else {
+    let Some(task) = deps.store.retention.get_retained(&task_ref, deps.clock.now()).await? else {
         return Ok(Read::code("ERROR_WRONG_CAPTCHA_ID"));
     };
     let task = match pin(task, deps).await {
@@ -161,7 +161,7 @@ pub async fn res_php(req: &Request, deps: &Deps) -> Response<Body> {
 
 /// Whether CaptchaAI traffic is stopped; `Some` is the answer to give.
 async fn stopped(p: &Params, deps: &Deps) -> Option<Response<Body>> {
-    match deps.store.breaker().await {
+    match deps.store.account.breaker().await {
         Ok(b) => b.open_at(deps.clock.now()).map(|until| {
             unavailable(
                 p,
@@ -207,7 +207,7 @@ async fn balance(p: &Params, deps: &Deps) -> Response<Body> {
 
 async fn report(p: &Params, deps: &Deps, good: bool) -> Response<Body> {
     let task = match p.get("id").map(TaskRef::from_compat_id) {
-        Some(Ok(r)) => match deps.store.get_retained(&r, deps.clock.now()).await {
+        Some(Ok(r)) => match deps.store.retention.get_retained(&r, deps.clock.now()).await {
             Ok(t) => t,
             Err(e) => return store_trouble(p, &e),
         },

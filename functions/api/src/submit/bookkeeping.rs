@@ -10,7 +10,7 @@ use relay_shared::domain::TaskRef;
 use crate::deps::Deps;
 
 pub(super) async fn give_back_permit(deps: &Deps) {
-    if let Err(e) = deps.store.give_back_permit().await {
+    if let Err(e) = deps.store.queue.give_back_permit().await {
         // The submitter publishes the permits afresh within a second of running.
         tracing::warn!(event = "store_failed", error = %e, "could not give back an unused permit");
     }
@@ -39,13 +39,13 @@ pub(super) async fn refused(deps: &Deps, task_ref: &TaskRef, err: &CaptchaAiErro
     let final_refusal = matches!(err.class(), CodeClass::Permanent | CodeClass::TerminalForTask)
         && !matches!(err, CaptchaAiError::Code(c) if ban(c.as_ref()).is_some());
     if keyed && !final_refusal {
-        match deps.store.forget_unsent(task_ref).await {
+        match deps.store.tasks.forget_unsent(task_ref).await {
             Ok(_) => return,
             Err(e) => tracing::error!(event = "store_failed", error = %e, "could not free the idempotency key"),
         }
     }
     let detail = format!("in.php refused the task: {err}");
-    if let Err(e) = deps.store.mark_submit_failed(task_ref, &err.code(), &detail, deps.clock.now()).await {
+    if let Err(e) = deps.store.tasks.mark_submit_failed(task_ref, &err.code(), &detail, deps.clock.now()).await {
         // It stays `submitting` and expires at its deadline: still true, never wrong.
         tracing::error!(event = "store_failed", error = %e, "could not mark the refused submit");
     }

@@ -25,9 +25,10 @@ pub(super) async fn enqueue(
     let TaskState::Queued { lane, .. } = &task.state else { return Submitted::Misconfigured };
     let lane = lane.clone();
     let now = deps.clock.now();
-    let shard = deps.store.queue_shard(&task.task_ref);
+    let shard = deps.store.queue.queue_shard(&task.task_ref);
     let state =
-        match deps.store.reserve_queue(&lane, shard, deps.queue.max_per_owner, deps.queue.max_total, false).await {
+        match deps.store.queue.reserve_queue(&lane, shard, deps.queue.max_per_owner, deps.queue.max_total, false).await
+        {
             Ok(Reserved::Yes(counted)) => {
                 let state = state_item(deps, shard, *counted, known, now);
                 if let Some(open) = state.as_ref().and_then(|st| key_rejected(st, now)) {
@@ -44,7 +45,7 @@ pub(super) async fn enqueue(
             }
             Err(e) => return Submitted::Store(e),
         };
-    match deps.store.create_queued(&task, submit, pingback, deadline_after(deps, task.kind), fp).await {
+    match deps.store.queue.create_queued(&task, submit, pingback, deadline_after(deps, task.kind), fp).await {
         Ok(Created::New) => {
             metrics::counter!("submits", "outcome" => "queued").increment(1);
             tracing::info!(event = "task_queued", lane = %lane, "queued for a free CaptchaAI thread");
@@ -80,7 +81,7 @@ fn state_item(
 /// Takes back a reservation that was not used (a count left too high is reconciled by the
 /// submitter: never a task unseen).
 async fn uncount(deps: &Deps, lane: &str, shard: u8) {
-    if let Err(e) = deps.store.count_queued(lane, shard, -1).await {
+    if let Err(e) = deps.store.queue.count_queued(lane, shard, -1).await {
         tracing::warn!(event = "store_failed", error = %e, "could not take back a queue reservation");
     }
 }
@@ -98,25 +99,29 @@ pub(super) async fn queue_unsent(
     keyed: bool,
 ) -> Submitted {
     let now = deps.clock.now();
-    let shard = deps.store.queue_shard(&task.task_ref);
-    let state =
-        match deps.store.reserve_queue(&lane, shard, deps.queue.max_per_owner, deps.queue.max_total, no_slot).await {
-            Ok(Reserved::Yes(counted)) => state_item(deps, shard, *counted, None, now),
-            Ok(Reserved::Full { owner, depth, bound }) => {
-                let err = CaptchaAiError::Code(
-                    relay_shared::codes::ErrorCode::parse("ERROR_NO_SLOT_AVAILABLE").expect("a valid code"),
-                );
-                refused(deps, &task.task_ref, &err, keyed).await;
-                metrics::counter!("submits", "outcome" => "queue_full").increment(1);
-                return Submitted::QueueFull { owner, depth, bound };
-            }
-            Err(e) => {
-                // Still `submitting` without an outcome: the poller expires it at its deadline, and
-                // nothing was paid. Say the store failed (a retry with the key is safe).
-                return Submitted::Store(e);
-            }
-        };
-    match deps.store.queue_unsent(&task, &lane, now, submit, pingback, deadline_after(deps, task.kind)).await {
+    let shard = deps.store.queue.queue_shard(&task.task_ref);
+    let state = match deps
+        .store
+        .queue
+        .reserve_queue(&lane, shard, deps.queue.max_per_owner, deps.queue.max_total, no_slot)
+        .await
+    {
+        Ok(Reserved::Yes(counted)) => state_item(deps, shard, *counted, None, now),
+        Ok(Reserved::Full { owner, depth, bound }) => {
+            let err = CaptchaAiError::Code(
+                relay_shared::codes::ErrorCode::parse("ERROR_NO_SLOT_AVAILABLE").expect("a valid code"),
+            );
+            refused(deps, &task.task_ref, &err, keyed).await;
+            metrics::counter!("submits", "outcome" => "queue_full").increment(1);
+            return Submitted::QueueFull { owner, depth, bound };
+        }
+        Err(e) => {
+            // Still `submitting` without an outcome: the poller expires it at its deadline, and
+            // nothing was paid. Say the store failed (a retry with the key is safe).
+            return Submitted::Store(e);
+        }
+    };
+    match deps.store.queue.queue_unsent(&task, &lane, now, submit, pingback, deadline_after(deps, task.kind)).await {
         Ok(true) => {
             metrics::counter!("submits", "outcome" => "queued").increment(1);
             if !state.is_some_and(|st| st.releaser_live(now)) {
@@ -128,7 +133,7 @@ pub(super) async fn queue_unsent(
             // It left `submitting` meanwhile (its pingback cannot have come: in.php took
             // nothing). Show what it is.
             uncount(deps, &lane, shard).await;
-            match deps.store.get(&task.task_ref).await {
+            match deps.store.tasks.get(&task.task_ref).await {
                 Ok(Some(t)) => Submitted::Accepted(t),
                 Ok(None) => Submitted::Store(relay_shared::store::StoreError::Rejected("the task vanished".into())),
                 Err(e) => Submitted::Store(e),

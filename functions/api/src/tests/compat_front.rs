@@ -48,14 +48,14 @@ impl World {
     /// The fake's record of the task behind a compat id.
     async fn sent(&self, compat_id: &str) -> fake_captchaai::FakeTask {
         let r = TaskRef::from_compat_id(compat_id).expect("a compat id");
-        let task = self.deps.store.get(&r).await.expect("get").expect("stored");
+        let task = self.deps.store.tasks.get(&r).await.expect("get").expect("stored");
         let id = task.captcha_id.expect("in.php's id stored");
         self.fake.task(id.as_ref()).expect("the fake has it")
     }
 
     async fn solve(&self, compat_id: &str, token: &str) {
         let r = TaskRef::from_compat_id(compat_id).expect("a compat id");
-        let task = self.deps.store.get(&r).await.expect("get").expect("stored");
+        let task = self.deps.store.tasks.get(&r).await.expect("get").expect("stored");
         let now = self.clock.now();
         let d = IncomingResult {
             captcha_id: task.captcha_id.expect("id"),
@@ -64,7 +64,7 @@ impl World {
             via: relay_shared::domain::Via::Callback,
             token_clock_start: now,
         };
-        self.deps.store.record_result(&r, &d).await.expect("recorded");
+        self.deps.store.results.record_result(&r, &d).await.expect("recorded");
     }
 
     async fn res(&self, q: &str) -> Response<Body> {
@@ -95,7 +95,7 @@ async fn in_php_takes_every_supported_kind_in_every_body_form_and_answers_as_2ca
     // CaptchaAI gets the relay's own signed callback; the owner's URL is kept on the task.
     let task_ref = TaskRef::from_compat_id(&v2)?;
     assert_eq!(sent.pingback, Some(w.deps.signer.callback_url("http://127.0.0.1:9", &task_ref)));
-    let task = w.deps.store.get(&task_ref).await?.expect("stored");
+    let task = w.deps.store.tasks.get(&task_ref).await?.expect("stored");
     assert_eq!(task.owner_callback.as_deref(), Some("https://owner.example/cb"));
     assert_eq!(task.kind, relay_shared::domain::CaptchaKind::RecaptchaV2);
 
@@ -304,7 +304,7 @@ async fn res_php_answers_from_the_table_never_from_captchaai_and_never_hands_out
 
     // A refused result is its code.
     let r = TaskRef::from_compat_id(&other)?;
-    let task = w.deps.store.get(&r).await?.expect("stored");
+    let task = w.deps.store.tasks.get(&r).await?.expect("stored");
     let now = w.clock.now();
     let d = IncomingResult {
         captcha_id: task.captcha_id.expect("id"),
@@ -313,7 +313,7 @@ async fn res_php_answers_from_the_table_never_from_captchaai_and_never_hands_out
         via: relay_shared::domain::Via::Poll,
         token_clock_start: now,
     };
-    w.deps.store.record_result(&r, &d).await?;
+    w.deps.store.results.record_result(&r, &d).await?;
     assert_eq!(text(&w.res(&format!("action=get&id={other}")).await), "ERROR_CAPTCHA_UNSOLVABLE");
 
     // Unsupported and missing actions.
@@ -381,7 +381,7 @@ async fn in_php_never_pays_twice_an_unknown_outcome_answers_the_id_and_a_ban_is_
     // comes by pingback (or the poller); the relay does not submit it again.
     let id = ok_id(&w.call(form("/in.php", &q)).await);
     assert_eq!(w.fake.counts().in_php, 1);
-    let task = w.deps.store.get(&TaskRef::from_compat_id(&id)?).await?.expect("stored");
+    let task = w.deps.store.tasks.get(&TaskRef::from_compat_id(&id)?).await?.expect("stored");
     assert!(matches!(task.state, TaskState::Submitting { unknown: Some(_) }), "{:?}", task.state);
     assert_eq!(text(&w.res(&format!("action=get&id={id}")).await), "CAPCHA_NOT_READY");
 
@@ -403,7 +403,7 @@ async fn in_php_never_pays_twice_an_unknown_outcome_answers_the_id_and_a_ban_is_
     assert_eq!(w.fake.counts().in_php, 3, "the breaker holds it back");
     for id in [&banned, &next] {
         assert_eq!(text(&w.res(&format!("action=get&id={id}")).await), "CAPCHA_NOT_READY");
-        let t = w.deps.store.get(&TaskRef::from_compat_id(id)?).await?.expect("stored");
+        let t = w.deps.store.tasks.get(&TaskRef::from_compat_id(id)?).await?.expect("stored");
         assert!(matches!(t.state, TaskState::Queued { .. }), "{:?}", t.state);
     }
     Ok(())
@@ -425,7 +425,7 @@ async fn retention_a_task_past_it_is_unknown_to_get_res_php_and_reports_though_t
     assert_eq!(text(&w.res(&format!("action=get&id={id}")).await), "OK|tok-kept-7-days");
     // 8 days on (RETENTION_DAYS is 7): the item is still in the table, no read hands it out.
     w.clock.advance(Duration::from_secs(8 * 86_400));
-    assert!(w.deps.store.get(&r).await?.is_some(), "the table still holds it");
+    assert!(w.deps.store.tasks.get(&r).await?.is_some(), "the table still holds it");
     assert_eq!(text(&w.res(&format!("action=get&id={id}")).await), "ERROR_WRONG_CAPTCHA_ID");
     assert_eq!(text(&w.res(&format!("action=get&ids={id}")).await), "ERROR_WRONG_CAPTCHA_ID");
     assert_eq!(text(&w.res(&format!("action=reportbad&id={id}")).await), "ERROR_WRONG_CAPTCHA_ID");

@@ -52,7 +52,7 @@ impl Run<'_> {
         let now = self.clock.now();
         let task = &released.task;
         let recorder = Recorder {
-            store: &self.deps.store,
+            tasks: &self.deps.store.tasks,
             dead_letters: self.deps.dead_letters.as_ref(),
             clock: self.clock.as_ref(),
         };
@@ -104,7 +104,7 @@ impl Run<'_> {
         report.bans += 1;
         let until = now.plus(ban.duration);
         let stop = Stop::Ban { needs_operator: ban.needs_operator };
-        if let Err(e) = self.deps.store.open_breaker(until, code, stop, now).await {
+        if let Err(e) = self.deps.store.account.open_breaker(until, code, stop, now).await {
             report.errors += 1;
             tracing::error!(event = "breaker_store_failed", error = %e);
         }
@@ -123,7 +123,7 @@ impl Run<'_> {
         report: &mut RunReport,
     ) {
         self.pause_until = now.plus(self.deps.settings.transient_pause);
-        let refusals = match self.deps.store.count_refusal_for_now(&released.task.task_ref).await {
+        let refusals = match self.deps.store.queue.count_refusal_for_now(&released.task.task_ref).await {
             Ok(n) => n.unwrap_or(0),
             Err(e) => {
                 report.errors += 1;
@@ -158,7 +158,7 @@ impl Run<'_> {
         let task_ref = &released.task.task_ref;
         report.failed += 1;
         self.mine.remove(task_ref);
-        match self.deps.store.fail_unsent(task_ref, false, &err.code(), detail, now).await {
+        match self.deps.store.queue.fail_unsent(task_ref, false, &err.code(), detail, now).await {
             Ok(_) => {
                 metrics::counter!("submits", "outcome" => "refused").increment(1);
                 true

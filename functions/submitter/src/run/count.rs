@@ -83,7 +83,7 @@ impl Run<'_> {
     pub(super) async fn in_flight(&mut self, now: Timestamp, report: &mut RunReport) -> Option<u32> {
         let lag = self.deps.settings.index_lag;
         self.mine.retain(|_, at| now.since(*at) < lag);
-        match self.deps.store.in_work(now).await {
+        match self.deps.store.queue.in_work(now).await {
             Ok(refs) => {
                 let listed: BTreeSet<TaskRef> = refs.into_iter().collect();
                 let InWork { total, inline } = in_work(&listed, &self.mine, self.seen.as_ref(), &self.released);

@@ -68,10 +68,10 @@ pub(super) async fn take_lease(
     let lease = deps.settings.lease;
     for attempt in 0..2 {
         let now = clock.now();
-        match deps.store.releaser_lease(&deps.owner, now, now.plus(lease), None).await {
+        match deps.store.queue.releaser_lease(&deps.owner, now, now.plus(lease), None).await {
             Ok(Some(st)) => return Some(st),
             Ok(None) if attempt == 0 => {
-                let st = match deps.store.submit_state().await {
+                let st = match deps.store.queue.submit_state().await {
                     Ok(st) => st,
                     Err(e) => {
                         report.errors += 1;
@@ -125,7 +125,7 @@ impl Run<'_> {
         self.renewed_at = now;
         let publish = self.publish(in_flight, now);
         let s = &self.deps.settings;
-        match self.deps.store.releaser_lease(&self.deps.owner, now, now.plus(s.lease), Some(&publish)).await {
+        match self.deps.store.queue.releaser_lease(&self.deps.owner, now, now.plus(s.lease), Some(&publish)).await {
             Ok(Some(st)) => Renewal::Renewed(Box::new(st)),
             Ok(None) => {
                 tracing::warn!(event = "submitter_lease_lost", "another submitter holds the queue");
@@ -144,11 +144,11 @@ impl Run<'_> {
     /// queued: a task queued while this run was ending must not wait for the schedule.
     pub(super) async fn leave(&self, publish: &Publish, now: Timestamp, report: &mut RunReport) {
         let deps = self.deps;
-        if let Err(e) = deps.store.releaser_leave(&deps.owner, publish).await {
+        if let Err(e) = deps.store.queue.releaser_leave(&deps.owner, publish).await {
             tracing::error!(event = "submitter_store_failed", error = %e, "could not leave the lease (it lapses)");
             report.errors += 1;
         }
-        match deps.store.submit_state().await {
+        match deps.store.queue.submit_state().await {
             Ok(st) => {
                 report.queued_at_end = st.queued;
                 if st.queued > 0 {

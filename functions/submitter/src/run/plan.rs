@@ -128,7 +128,7 @@ impl Run<'_> {
             info.free(),
             info.threads
         );
-        match self.deps.store.open_breaker(now.plus(PLAN_OUT_PAUSE), &reason, Stop::PlanOut, now).await {
+        match self.deps.store.account.open_breaker(now.plus(PLAN_OUT_PAUSE), &reason, Stop::PlanOut, now).await {
             Ok(_) => {
                 report.plan_out = true;
                 metrics::counter!("plan_out").increment(1);

@@ -105,7 +105,7 @@ impl Run<'_> {
         if let Some(head) = entry.heads.pop_front() {
             return Some(head);
         }
-        match self.deps.store.queue_heads(lane, HEADS_READ).await {
+        match self.deps.store.queue.queue_heads(lane, HEADS_READ).await {
             Ok(heads) if !heads.is_empty() => {
                 entry.heads = heads.into();
                 entry.empty = None;
@@ -114,7 +114,7 @@ impl Run<'_> {
             Ok(_) => {
                 entry.empty = match listed_empty(entry.empty, count, now) {
                     ListedEmpty::Reconcile => {
-                        match self.deps.store.reconcile_lane(lane, state, 0).await {
+                        match self.deps.store.queue.reconcile_lane(lane, state, 0).await {
                             Ok(true) => {
                                 report.reconciled += 1;
                                 tracing::warn!(
@@ -171,7 +171,7 @@ impl Run<'_> {
         let max = self.deps.settings.queue.max_wait;
         let Some(waited) = waited_too_long(head.queued_at, now, max) else { return false };
         let detail = timeout_detail(waited, max);
-        match self.deps.store.fail_unsent(&head.task_ref, true, QUEUE_TIMEOUT, &detail, now).await {
+        match self.deps.store.queue.fail_unsent(&head.task_ref, true, QUEUE_TIMEOUT, &detail, now).await {
             Ok(Some(_)) => {
                 report.timed_out += 1;
                 metrics::counter!("submit_queue_timeouts").increment(1);
@@ -190,7 +190,7 @@ impl Run<'_> {
     /// Counts a task out of `lane` on its count item (written with the tick's other moves,
     /// [`Self::flush_counts`]).
     pub(super) fn uncount(&mut self, lane: &str, task_ref: &TaskRef) {
-        let shard = self.deps.store.queue_shard(task_ref);
+        let shard = self.deps.store.queue.queue_shard(task_ref);
         *self.moved.entry((shard, lane.to_owned())).or_default() -= 1;
     }
 
@@ -204,7 +204,7 @@ impl Run<'_> {
             return;
         };
         self.moved.clear();
-        if let Err(e) = self.deps.store.count_queued_many(&deltas).await {
+        if let Err(e) = self.deps.store.queue.count_queued_many(&deltas).await {
             // Items written before the failure are counted again: a count too high, which the
             // queue reconciles, never a task unseen.
             report.errors += 1;
@@ -219,9 +219,9 @@ impl Run<'_> {
     pub(super) async fn requeue(&mut self, released: Released, report: &mut RunReport) {
         let Released { task, lane, queued_at, .. } = released;
         self.mine.remove(&task.task_ref);
-        let shard = self.deps.store.queue_shard(&task.task_ref);
+        let shard = self.deps.store.queue.queue_shard(&task.task_ref);
         *self.moved.entry((shard, lane.clone())).or_default() += 1;
-        match self.deps.store.requeue(&task.task_ref, &lane, queued_at).await {
+        match self.deps.store.queue.requeue(&task.task_ref, &lane, queued_at).await {
             Ok(true) => {
                 report.requeued += 1;
                 self.put_back(&lane, QueuedRef { task_ref: task.task_ref, queued_at });

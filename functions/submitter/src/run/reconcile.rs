@@ -33,7 +33,7 @@ pub(super) fn counted_empty(per_lane: BTreeMap<String, u64>, state: &SubmitState
 impl Run<'_> {
     /// A lowered `QUEUE_SHARDS` leaves counts on items no longer read: folded in first.
     pub(super) async fn fold_queue_shards(&mut self, report: &mut RunReport) {
-        match self.deps.store.fold_queue_shards().await {
+        match self.deps.store.queue.fold_queue_shards().await {
             Ok(0) => {}
             Ok(n) => {
                 report.reconciled += n as u64;
@@ -54,7 +54,7 @@ impl Run<'_> {
     /// counted again, so their tasks are released; and tasks listed on index shards a lowered
     /// `QUEUE_SHARDS` no longer reads: moved to theirs. Once per run.
     pub(super) async fn reconcile_lost_lanes(&mut self, state: &SubmitState, report: &mut RunReport) {
-        let listed = match self.deps.store.queued_lanes().await {
+        let listed = match self.deps.store.queue.queued_lanes().await {
             Ok(l) => l,
             Err(e) => {
                 report.errors += 1;
@@ -62,9 +62,9 @@ impl Run<'_> {
                 return;
             }
         };
-        let (per_lane, beyond) = tally_listed(&listed, self.deps.store.queue_shards());
+        let (per_lane, beyond) = tally_listed(&listed, self.deps.store.queue.queue_shards());
         for (lane, shard) in beyond {
-            match self.deps.store.rehome_queued(&lane, shard).await {
+            match self.deps.store.queue.rehome_queued(&lane, shard).await {
                 Ok(moved) => {
                     report.reconciled += 1;
                     tracing::warn!(event = "queue_count_reconciled", lane = %lane, shard, moved, "queued tasks on a shard beyond QUEUE_SHARDS moved to theirs");
@@ -76,7 +76,7 @@ impl Run<'_> {
             }
         }
         for (lane, n) in counted_empty(per_lane, state) {
-            match self.deps.store.reconcile_lane(&lane, state, n).await {
+            match self.deps.store.queue.reconcile_lane(&lane, state, n).await {
                 Ok(true) => {
                     report.reconciled += 1;
                     tracing::warn!(event = "queue_count_reconciled", lane = %lane, n, "tasks queued in a lane counted empty");

@@ -71,7 +71,7 @@ impl Run<'_> {
             if self.timed_out(&lane, &head, now, report).await {
                 continue;
             }
-            match self.deps.store.take_submit_slot(now, s.queue.submits_per_second).await {
+            match self.deps.store.account.take_submit_slot(now, s.queue.submits_per_second).await {
                 Ok(true) => {}
                 Ok(false) => {
                     self.put_back(&lane, head);
@@ -85,7 +85,7 @@ impl Run<'_> {
                     break;
                 }
             }
-            let released = match self.deps.store.release(&head.task_ref, now).await {
+            let released = match self.deps.store.queue.release(&head.task_ref, now).await {
                 Ok(Some(r)) => r,
                 Ok(None) => continue,
                 Err(e) => {

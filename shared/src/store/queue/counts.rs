@@ -7,7 +7,7 @@ use aws_sdk_dynamodb::types::{AttributeValue, ReturnValue, ReturnValuesOnConditi
 
 use super::*;
 
-impl TaskStore {
+impl SubmitQueue {
     /// The account's state item: the breaker and the queue, its counts summed over the count
     /// items in use (strongly consistent; one `BatchGetItem`).
     pub async fn submit_state(&self) -> Result<SubmitState, StoreError> {
@@ -59,11 +59,11 @@ impl TaskStore {
         let mut items: Vec<Item> = Vec::new();
         // Keys DynamoDB leaves unprocessed (throttled) are asked again, a few times.
         for round in 0..5u32 {
-            let out = self.client.batch_get_item().request_items(&self.table, want).send().await.map_err(sdk_error)?;
-            if let Some(got) = out.responses.and_then(|mut r| r.remove(&self.table)) {
+            let out = self.client.batch_get_item().request_items(&*self.table, want).send().await.map_err(sdk_error)?;
+            if let Some(got) = out.responses.and_then(|mut r| r.remove(&*self.table)) {
                 items.extend(got);
             }
-            match out.unprocessed_keys.and_then(|mut u| u.remove(&self.table)).filter(|k| !k.keys.is_empty()) {
+            match out.unprocessed_keys.and_then(|mut u| u.remove(&*self.table)).filter(|k| !k.keys.is_empty()) {
                 Some(left) if round < 4 => {
                     want = left;
                     tokio::time::sleep(Duration::from_millis(50 << round)).await;
@@ -83,7 +83,7 @@ impl TaskStore {
         let res = self
             .client
             .update_item()
-            .table_name(&self.table)
+            .table_name(&*self.table)
             .key(attr::PK, s(Breaker::KEY))
             .update_expression("SET permits = if_not_exists(permits, :initial) - :one")
             .condition_expression(format!(
@@ -113,7 +113,7 @@ impl TaskStore {
     pub async fn give_back_permit(&self) -> Result<(), StoreError> {
         self.client
             .update_item()
-            .table_name(&self.table)
+            .table_name(&*self.table)
             .key(attr::PK, s(Breaker::KEY))
             .update_expression("ADD permits :one")
             .expression_attribute_values(":one", n(1))
@@ -149,7 +149,7 @@ impl TaskStore {
         if no_slot {
             self.client
                 .update_item()
-                .table_name(&self.table)
+                .table_name(&*self.table)
                 .key(attr::PK, s(Breaker::KEY))
                 .update_expression("ADD ns_api :one SET permits = :zero")
                 .expression_attribute_values(":one", n(1))
@@ -161,7 +161,7 @@ impl TaskStore {
         let res = self
             .client
             .update_item()
-            .table_name(&self.table)
+            .table_name(&*self.table)
             .key(attr::PK, s(&count_key(shard)))
             .update_expression("ADD q_total :one, #lane :one")
             .condition_expression(
@@ -227,7 +227,7 @@ impl TaskStore {
         }
         let total: i64 = moves.iter().map(|(_, d)| d).sum();
         let mut update = "ADD q_total :total".to_owned();
-        let mut req = self.client.update_item().table_name(&self.table).key(attr::PK, s(&count_key(shard)));
+        let mut req = self.client.update_item().table_name(&*self.table).key(attr::PK, s(&count_key(shard)));
         for (i, ((_, lane), d)) in moves.iter().enumerate() {
             update.push_str(&format!(", #l{i} :d{i}"));
             req = req
@@ -255,7 +255,7 @@ impl TaskStore {
         let res = self
             .client
             .update_item()
-            .table_name(&self.table)
+            .table_name(&*self.table)
             .key(attr::PK, s(Breaker::KEY))
             .update_expression("SET #lane = :actual ADD q_total :d")
             .condition_expression(cond)

@@ -6,7 +6,7 @@ use aws_sdk_dynamodb::types::{ReturnValue, Select};
 
 use super::*;
 
-impl TaskStore {
+impl SubmitQueue {
     /// Puts a new task in the queue (its reservation made): state queued, with the request and
     /// its pingback URL, listed under its lane, and how long after its release the poller should
     /// look at it if in.php's answer is never stored (`deadline_after`). Idempotent like
@@ -38,7 +38,7 @@ impl TaskStore {
         .map(|(k, v)| (k.to_owned(), v))
         .chain(request.user_agent().map(|ua| (attr::USER_AGENT.to_owned(), s(ua))))
         .collect();
-        self.put_new(task, None, fingerprint, extra).await
+        super::super::Tasks(self.0.clone()).put_new(task, None, fingerprint, extra).await
     }
 
     /// The oldest tasks waiting in `lane` (up to `limit`), over its index keys (one Query each,
@@ -58,7 +58,7 @@ impl TaskStore {
         let out = self
             .client
             .query()
-            .table_name(&self.table)
+            .table_name(&*self.table)
             .index_name(QUEUE_INDEX)
             .key_condition_expression("sq_key = :k")
             .expression_attribute_values(":k", s(&key))
@@ -85,7 +85,7 @@ impl TaskStore {
             let out = self
                 .client
                 .query()
-                .table_name(&self.table)
+                .table_name(&*self.table)
                 .index_name(QUEUE_INDEX)
                 .key_condition_expression("sq_key = :k AND sq_at < :at")
                 .expression_attribute_values(":k", s(&queued_key(lane, k)))
@@ -108,7 +108,7 @@ impl TaskStore {
         let mut pages = self
             .client
             .scan()
-            .table_name(&self.table)
+            .table_name(&*self.table)
             .index_name(QUEUE_INDEX)
             .filter_expression("begins_with(sq_key, :q)")
             .expression_attribute_values(":q", s("q#"))
@@ -140,7 +140,7 @@ impl TaskStore {
                 let res = self
                     .client
                     .update_item()
-                    .table_name(&self.table)
+                    .table_name(&*self.table)
                     .key(attr::PK, s(h.task_ref.as_ref()))
                     .update_expression("SET sq_key = :new")
                     .condition_expression("sq_key = :old")
@@ -164,7 +164,7 @@ impl TaskStore {
         let res = self
             .client
             .update_item()
-            .table_name(&self.table)
+            .table_name(&*self.table)
             .key(attr::PK, s(task_ref.as_ref()))
             .update_expression(
                 "SET #state = :submitting, released_at = :now, sq_key = :w, sq_at = :now + sq_busy, \
@@ -204,7 +204,7 @@ impl TaskStore {
         let res = self
             .client
             .update_item()
-            .table_name(&self.table)
+            .table_name(&*self.table)
             .key(attr::PK, s(task_ref.as_ref()))
             .update_expression(
                 "SET #state = :queued, queued_at = :at, q_lane = :lane, sq_key = :q, sq_at = :at \

@@ -4,7 +4,7 @@ use aws_sdk_dynamodb::types::ReturnValue;
 
 use super::*;
 
-impl TaskStore {
+impl SubmitQueue {
     /// The tasks CaptchaAI may be working on at `now`: every one listed in work whose thread is
     /// not surely free yet (keys only; one small Query per shard, at once).
     pub async fn in_work(&self, now: Timestamp) -> Result<Vec<TaskRef>, StoreError> {
@@ -13,7 +13,7 @@ impl TaskStore {
             let mut pages = self
                 .client
                 .query()
-                .table_name(&self.table)
+                .table_name(&*self.table)
                 .index_name(QUEUE_INDEX)
                 .key_condition_expression("sq_key = :k AND sq_at > :now")
                 .expression_attribute_values(":k", s(&format!("w#{shard}")))
@@ -45,7 +45,7 @@ impl TaskStore {
         publish: Option<&Publish>,
     ) -> Result<Option<SubmitState>, StoreError> {
         let mut update = "SET rel_owner = :me, rel_until = :until".to_owned();
-        let mut req = self.client.update_item().table_name(&self.table).key(attr::PK, s(Breaker::KEY));
+        let mut req = self.client.update_item().table_name(&*self.table).key(attr::PK, s(Breaker::KEY));
         if let Some(p) = publish {
             update.push_str(", permits = :permits, win = :win, rel_rate = :rate, ns_seen = :seen");
             req = req
@@ -81,7 +81,7 @@ impl TaskStore {
         let res = self
             .client
             .update_item()
-            .table_name(&self.table)
+            .table_name(&*self.table)
             .key(attr::PK, s(Breaker::KEY))
             .update_expression(
                 "SET rel_until = :zero, permits = :permits, win = :win, rel_rate = :rate, ns_seen = :seen",
@@ -104,7 +104,7 @@ impl TaskStore {
         let res = self
             .client
             .update_item()
-            .table_name(&self.table)
+            .table_name(&*self.table)
             .key(attr::PK, s(WAKE_KEY))
             .update_expression("SET wake_at = :now, expires_ttl = :ttl")
             .condition_expression("attribute_not_exists(wake_at) OR wake_at < :second_ago")

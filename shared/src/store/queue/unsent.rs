@@ -5,7 +5,7 @@ use aws_sdk_dynamodb::types::ReturnValue;
 
 use super::*;
 
-impl TaskStore {
+impl SubmitQueue {
     /// What in.php needs to send a task that is still submitting without a CaptchaAI id: its
     /// request and pingback, kept since it was created or queued. `None`: not such a task, or
     /// one created before they were kept.
@@ -13,7 +13,7 @@ impl TaskStore {
         let out = self
             .client
             .get_item()
-            .table_name(&self.table)
+            .table_name(&*self.table)
             .key(attr::PK, s(task_ref.as_ref()))
             .projection_expression("sq_req, sq_pingback, captcha_id")
             .consistent_read(true)
@@ -39,7 +39,7 @@ impl TaskStore {
         let res = self
             .client
             .update_item()
-            .table_name(&self.table)
+            .table_name(&*self.table)
             .key(attr::PK, s(task_ref.as_ref()))
             .update_expression("SET resent_at = :now REMOVE submit_unknown")
             .condition_expression(
@@ -59,7 +59,7 @@ impl TaskStore {
         let res = self
             .client
             .update_item()
-            .table_name(&self.table)
+            .table_name(&*self.table)
             .key(attr::PK, s(task_ref.as_ref()))
             .update_expression("REMOVE resent_at")
             .condition_expression("#state = :submitting AND attribute_not_exists(captcha_id)")
@@ -79,7 +79,7 @@ impl TaskStore {
         let res = self
             .client
             .update_item()
-            .table_name(&self.table)
+            .table_name(&*self.table)
             .key(attr::PK, s(task_ref.as_ref()))
             .update_expression("ADD sq_refused :one")
             .condition_expression("#state = :submitting")
@@ -120,7 +120,7 @@ impl TaskStore {
         let res = self
             .client
             .update_item()
-            .table_name(&self.table)
+            .table_name(&*self.table)
             .key(attr::PK, s(task_ref.as_ref()))
             .update_expression(
                 "SET #state = :queued, queued_at = :at, q_lane = :lane, sq_key = :q, sq_at = :at, sq_req = :req, \
@@ -164,7 +164,7 @@ impl TaskStore {
         let req = self
             .client
             .update_item()
-            .table_name(&self.table)
+            .table_name(&*self.table)
             .key(attr::PK, s(task_ref.as_ref()))
             .update_expression(format!(
                 "SET #state = :failed, error_code = :code, error_detail = :detail, resolved_at = :now, \
