@@ -48,6 +48,10 @@ pub(crate) mod attr {
     pub const RESENT_AT: &str = "resent_at";
     /// Who submitted the task (see `Task::owner`): what an erasure names.
     pub const OWNER: &str = "owner";
+    /// How many of a per-second slot's calls are taken (`pacer#<s>` for in.php, `respacer#<s>`
+    /// for res.php reads). Stored as `submits`, its name from when in.php was the only pace:
+    /// renaming it would let a deploy's old and new instances count apart for a second.
+    pub const SLOT_TAKEN: &str = "submits";
     // The submit queue (see `queue`).
     pub const QUEUED_AT: &str = "queued_at";
     pub const Q_LANE: &str = "q_lane";
