@@ -51,6 +51,7 @@ pub struct LocalParts {
 
 impl Relay {
     pub fn new(p: LocalParts) -> Self {
+        let idempotency = relay_shared::idempotency::IdempotencyKeys::new(p.signing_secret.clone());
         let signer = relay_shared::signing::CallbackSigner::new(p.signing_secret);
         let submit_wake = Arc::new(tokio::sync::Notify::new());
         // Every result recorded frees a CaptchaAI thread: the submitter hears of it at once.
@@ -61,6 +62,7 @@ impl Relay {
                 store: relay_api::Store::new(&store),
                 captchaai: p.captchaai,
                 signer: signer.clone(),
+                idempotency,
                 auth: relay_shared::http::Authorizer::api_key(&p.api_key),
                 clock: p.clock.clone(),
                 callback_base_url: Some(p.callback_base_url),

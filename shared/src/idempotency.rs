@@ -26,6 +26,28 @@ pub fn task_ref_for_key(secret: &SecretString, owner: &str, key: &str) -> TaskRe
     TaskRef::from_hex(&hex::encode(&digest[..16]))
 }
 
+/// Turns a caller's idempotency keys into task references ([`task_ref_for_key`]) under the
+/// relay's secret (the callback signing secret: one secret to keep and rotate).
+#[derive(Clone)]
+pub struct IdempotencyKeys(SecretString);
+
+impl IdempotencyKeys {
+    pub fn new(secret: SecretString) -> Self {
+        Self(secret)
+    }
+
+    /// The task `key`, sent by `owner`, stands for.
+    pub fn task_ref(&self, owner: &str, key: &str) -> TaskRef {
+        task_ref_for_key(&self.0, owner, key)
+    }
+}
+
+impl std::fmt::Debug for IdempotencyKeys {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("IdempotencyKeys(<secret>)")
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -54,12 +54,6 @@ impl CallbackSigner {
         self.mac(task_ref).verify_slice(&bytes).is_ok() & canonical
     }
 
-    /// The task reference an idempotency key stands for: [`crate::idempotency::task_ref_for_key`]
-    /// under this signer's secret (the same secret signs both).
-    pub fn idempotent_ref(&self, owner: &str, key: &str) -> TaskRef {
-        crate::idempotency::task_ref_for_key(&self.secret, owner, key)
-    }
-
     /// The pingback URL for a task under `base` (e.g. `https://abc.execute-api…/`).
     pub fn callback_url(&self, base: &str, task_ref: &TaskRef) -> String {
         format!("{}/callback/{}/{}", base.trim_end_matches('/'), task_ref, self.sign(task_ref))

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use relay_shared::captchaai::CaptchaAiClient;
 use relay_shared::deadletter::{DeadLetterSink, SqsQueue};
 use relay_shared::http::Authorizer;
+use relay_shared::idempotency::IdempotencyKeys;
 use relay_shared::signing::CallbackSigner;
 use relay_shared::store::{Account, Results, Retention, SubmitQueue, TaskStore, Tasks};
 use relay_shared::submit::{QueueSettings, Waker};
@@ -47,6 +48,8 @@ pub struct Deps {
     pub store: Store,
     pub captchaai: CaptchaAiClient,
     pub signer: CallbackSigner,
+    /// The task an `Idempotency-Key` names.
+    pub idempotency: IdempotencyKeys,
     pub auth: Authorizer,
     pub clock: Arc<dyn Clock>,
     /// Public base URL of the callback route. `None`: the API's own URL, read from the
@@ -102,6 +105,7 @@ impl Deps {
                 cfg.captchaai.timeout,
                 cfg.captchaai.soft_id,
             )?,
+            idempotency: IdempotencyKeys::new(signing.clone()),
             signer: CallbackSigner::new(signing),
             auth,
             clock: Arc::new(relay_shared::time::SystemClock),

@@ -84,7 +84,7 @@ pub(crate) async fn submit(req: &Request, deps: &Deps) -> Result<Response<Body>,
     let idem = idempotency_key(req)?;
     let owner = deps.auth.owner(req);
     let task_ref = match &idem {
-        Some(key) => deps.signer.idempotent_ref(&owner, key),
+        Some(key) => deps.idempotency.task_ref(&owner, key),
         None => TaskRef::generate(),
     };
     let webhook_owner = owner_callback.as_ref().map(|_| relay_shared::store::deliveries::DEFAULT_OWNER.to_owned());

@@ -47,6 +47,7 @@ async fn world(cfg: FakeConfig) -> anyhow::Result<World> {
             None,
         )?,
         signer: CallbackSigner::new(SecretString::from("sign".to_owned())),
+        idempotency: relay_shared::idempotency::IdempotencyKeys::new(SecretString::from("sign".to_owned())),
         auth: Authorizer::api_key(&SecretString::from(KEY.to_owned())),
         clock: Arc::new(clock.clone()),
         callback_base_url: Some("http://127.0.0.1:9".into()),

@@ -341,6 +341,7 @@ async fn handlers(auth: relay_shared::http::Authorizer) -> anyhow::Result<Handle
             None,
         )?,
         signer: signer.clone(),
+        idempotency: relay_shared::idempotency::IdempotencyKeys::new(SecretString::from(SIGNING_SECRET.to_owned())),
         auth,
         clock: clock.clone(),
         callback_base_url: Some("http://127.0.0.1:9".into()),

@@ -106,6 +106,9 @@ fn api() -> &'static ApiWorld {
                 signer: relay_shared::signing::CallbackSigner::new(SecretString::from(
                     "fuzz-signing-secret".to_owned(),
                 )),
+                idempotency: relay_shared::idempotency::IdempotencyKeys::new(SecretString::from(
+                    "fuzz-signing-secret".to_owned(),
+                )),
                 auth: relay_shared::http::Authorizer::api_key(&SecretString::from("fuzz-api-key".to_owned())),
                 clock: Arc::new(ManualClock::at(Timestamp::from_millis(1_796_210_146_000))),
                 callback_base_url: Some("http://127.0.0.1:9".into()),
