@@ -5,7 +5,7 @@
 //! - applying the same delivery twice equals applying it once;
 //! - the DynamoDB store (the embedded engine) agrees with the pure state machine at every step.
 //!
-//! `FUZZ_CASES=100000 cargo test -p relay-fuzz --test properties` runs more.
+//! `FUZZ_CASES=100000 cargo test -p relay-fuzz --test it properties::` runs more.
 
 use proptest::prelude::*;
 use relay_shared::codes::ErrorCode;

@@ -6,7 +6,7 @@
 //!
 //! The test command runs a few thousand inputs per target; the documented run a million:
 //!
-//!   FUZZ_CASES=1000000 cargo test --release -p relay-fuzz --test fuzz -- --test-threads 1
+//!   FUZZ_CASES=1000000 cargo test --release -p relay-fuzz --test it fuzz:: -- --test-threads 1
 
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;

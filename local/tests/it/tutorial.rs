@@ -19,7 +19,7 @@ use fake_captchaai::{FakeCaptchaAi, FakeConfig};
 use relay_shared::domain::{TaskRef, TaskState};
 use serde_json::Value;
 
-mod common;
+use crate::common;
 use common::{Relay, free_port, spawn_relay, tmp_dir, wait_healthy};
 
 const KEY: &str = "tutorial-relay-key-0123456789";

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use fake_captchaai::{FakeCaptchaAi, FakeConfig};
 use relay_shared::domain::TaskRef;
 
-mod common;
+use crate::common;
 use common::{free_port, tmp_dir, wait_healthy};
 
 const KEY: &str = "burst-test-key-0123456789";

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 
-mod common;
+use crate::common;
 use common::{Relay, free_port, tmp_dir, wait_healthy};
 
 const KEY: &str = "logs-test-key-0123456789";

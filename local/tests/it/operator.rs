@@ -15,7 +15,7 @@ use relay_shared::domain::{CaptchaId, DeliveryStatus, IncomingResult, Outcome, S
 use relay_shared::testkit::receiver::Receiver;
 use relay_shared::time::{Clock, ManualClock, SystemClock};
 
-mod common;
+use crate::common;
 use common::{free_port, tmp_dir};
 
 const IMAGE: &str = r#"{"kind":"image","body":"iVBORw0KGgo="}"#;

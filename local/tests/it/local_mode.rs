@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use fake_captchaai::{FakeCaptchaAi, FakeConfig};
 
-mod common;
+use crate::common;
 use common::{Relay, free_port, tmp_dir, wait_healthy};
 
 const KILL_KEY: &str = "kill-test-key-0123456789";

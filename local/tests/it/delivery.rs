@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use fake_captchaai::{FakeCaptchaAi, FakeConfig};
 
-mod common;
+use crate::common;
 use common::{Relay, spawn_relay as spawn_relay_with, wait_healthy};
 use relay_shared::domain::{CaptchaKind, TaskRef, TaskState};
 use relay_shared::testkit::receiver::{Receiver, check_pushes, p50_p95_max, verify_with_reference};
