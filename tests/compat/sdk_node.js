@@ -1,7 +1,7 @@
 // The official 2captcha JavaScript client (@2captcha/captcha-solver, pinned in package-lock.json),
 // unmodified, against the relay. The package has no `server` option (its hosts are constants),
 // so pointing it at the relay takes two lines on the instance: `in` and `res` below. Driven by
-// local/tests/sdk.rs. Environment: RELAY_BASE (https://host:port), RELAY_KEY, RELAY_IMAGE,
+// local/tests/it/sdk.rs. Environment: RELAY_BASE (https://host:port), RELAY_KEY, RELAY_IMAGE,
 // NODE_EXTRA_CA_CERTS (the relay's local CA). Prints one JSON object.
 const fs = require("fs");
 const { Solver } = require("@2captcha/captcha-solver");

@@ -3,7 +3,7 @@
 // tasks at once, each polled by the SDK every 5 s (it polls even when a pingback is set) — 40
 // res.php reads a second for 200 tasks, twice the relay's per-key read budget. What the relay
 // answers over its budget must be something the SDK takes as "not ready yet": every task must
-// finish. Driven by local/tests/sdk.rs. Environment: RELAY_BASE, RELAY_KEY, RELAY_TASKS,
+// finish. Driven by local/tests/it/sdk.rs. Environment: RELAY_BASE, RELAY_KEY, RELAY_TASKS,
 // NODE_EXTRA_CA_CERTS. Prints one JSON object.
 const { Solver } = require("@2captcha/captcha-solver");
 

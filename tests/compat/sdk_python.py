@@ -1,6 +1,6 @@
 """The official 2captcha Python client (2captcha-python, pinned in infra/requirements-sdk.txt),
 unmodified, against the relay: the only change from code written for 2captcha or CaptchaAI is
-`server=`. Driven by local/tests/sdk.rs, which checks every answer against the fake CaptchaAI.
+`server=`. Driven by local/tests/it/sdk.rs, which checks every answer against the fake CaptchaAI.
 
 Environment: RELAY_SERVER (host:port of the relay's TLS port), RELAY_KEY (a relay key),
 RELAY_IMAGE (an image file), REQUESTS_CA_BUNDLE (the relay's local CA). Prints one JSON object.

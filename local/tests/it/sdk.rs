@@ -6,7 +6,7 @@
 //! answered with CaptchaAI's empty 200) dropping 30 % of the pingbacks. Every answer must be
 //! what the fake produced, and no res.php request at the fake may come from a client's polling:
 //! those are answered from the relay's table — over the relay's per-key read budget with
-//! something both SDKs take as "not ready yet". (The tutorial's own apps: tests/tutorial.rs.)
+//! something both SDKs take as "not ready yet". (The tutorial's own apps: tutorial.rs beside this file.)
 //!
 //! The relay runs with local mode's defaults (poller every 10 s, per-kind callback grace); the
 //! clients with theirs (the Python SDK polls every 10 s and gives up after 120 s, 600 s for
