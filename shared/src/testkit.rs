@@ -122,9 +122,15 @@ impl aws_sdk_dynamodb::config::Intercept for OperationCounter {
 impl LocalDynamo {
     /// A client that counts the operations it sends.
     pub fn counting_client(&self) -> (Client, OperationCounter) {
-        let counter = OperationCounter::default();
-        (Client::from_conf(config_for(&self.endpoint).interceptor(counter.clone()).build()), counter)
+        counting_client_for(&self.endpoint)
     }
+}
+
+/// A client for `endpoint` (the engine, or a proxy in front of it) that counts the operations it
+/// sends.
+pub fn counting_client_for(endpoint: &str) -> (Client, OperationCounter) {
+    let counter = OperationCounter::default();
+    (Client::from_conf(config_for(endpoint).interceptor(counter.clone()).build()), counter)
 }
 
 /// Builds a Lambda HTTP request from a real API Gateway v2 (HTTP API) event, as the runtime

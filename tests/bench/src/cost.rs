@@ -1,10 +1,14 @@
 //! Part 5: what a task costs on AWS, from counted operations, at published us-east-1 prices.
 //!
 //! The whole path runs in-process with the deployed handlers and settings (IAM auth, the
-//! template's memory size): submit (`POST /tasks`, in.php on the fake), the pingback, the owner's
-//! read (`GET /tasks/{ref}`, which pins the result), a duplicate pingback. A counting interceptor
-//! on the SDK client counts every DynamoDB call per step; the bytes the functions log (JSON lines)
-//! and the EMF document each invocation flushes are counted too. The fallback path's figures come
+//! template's memory size): submit (`POST /tasks` with a `callback_url`, in.php on the fake), the
+//! pingback, the push to the owner's endpoint (a receiver on loopback), the owner's read
+//! (`GET /tasks/{ref}`), a duplicate pingback. A counting interceptor on the SDK client counts
+//! every DynamoDB call per step, and the partition meter (`relay_sim::partitions`), a proxy in
+//! front of the engine, counts the write and read units each call consumed — the table's and
+//! every index's, from the items' images before and after — so no step's units are a model. The
+//! bytes the functions log (JSON lines) and the EMF document each invocation flushes are counted
+//! too. The fallback path's figures come
 //! from part 4's stale-task run; the idle month from the template's resources and one idle poller
 //! invocation.
 
@@ -17,6 +21,7 @@ use relay_shared::http::Authorizer;
 use relay_shared::store::TaskStore;
 use relay_shared::testkit::{ApiGatewayEvent, LocalDynamo, MemorySink, OperationCounter};
 use relay_shared::time::{Clock, SystemClock};
+use relay_sim::partitions::{MeterReport, PartitionMeter};
 use secrecy::SecretString;
 
 use crate::Opts;
@@ -63,6 +68,11 @@ struct Step {
     log_bytes: u64,
     emf_bytes: u64,
     in_php: u64,
+    /// Write and read units consumed, counted by the partition meter (index writes included).
+    wcu: f64,
+    rcu: f64,
+    /// Of `wcu`, the indexes'.
+    index_wcu: f64,
 }
 
 impl Step {
@@ -81,23 +91,11 @@ impl Step {
     }
 }
 
-/// Write and read units of each step, per call. Writes are charged by the larger of the old and
-/// new item (1 KB units), refused conditional writes included; a write that adds, moves or
-/// removes an item's entry in the `due-for-poll` index (projection ALL) pays the index's write
-/// too (a moved key: delete and put).
-fn units(step: &str, item_kb: f64, small_kb: f64) -> (f64, f64) {
-    let wru = |kb: f64| kb.ceil().max(1.0);
-    match step {
-        // Submit slot counter (tiny), create (+ index put), mark submitted (+ index move).
-        "submit" => (1.0 + 2.0 * wru(small_kb) + 2.0 * wru(small_kb), 0.0),
-        // The result write: the item grows by the token; its index entry is removed.
-        "callback" => (wru(item_kb) + wru(small_kb), 0.0),
-        // A refused conditional write of the same size.
-        "duplicate" => (wru(item_kb), 0.0),
-        // A strongly consistent GetItem (4 KB units) and the one-time pin.
-        "owner read" => (wru(item_kb), (item_kb / 4.0).ceil().max(1.0)),
-        _ => (0.0, 0.0),
-    }
+/// Units the meter counted between `start` and `end` that no step holds (0 when the report
+/// accounts for every one).
+fn unaccounted(steps: &[Step], start: &MeterReport, end: &MeterReport) -> f64 {
+    let (wcu, rcu): (f64, f64) = steps.iter().map(|s| (s.wcu, s.rcu)).fold((0.0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1));
+    (end.wcu - start.wcu - wcu) + (end.rcu - start.rcu - rcu)
 }
 
 fn item_kb(item: &HashMap<String, aws_sdk_dynamodb::types::AttributeValue>) -> f64 {
@@ -120,7 +118,9 @@ fn item_kb(item: &HashMap<String, aws_sdk_dynamodb::types::AttributeValue>) -> f
 pub async fn run(opts: &Opts) -> anyhow::Result<String> {
     let n: usize = if opts.quick { 12 } else { 300 };
     let db = LocalDynamo::start().await?;
-    let (client, counter) = db.counting_client();
+    // Every call of the path goes through the partition meter: what each consumed, counted.
+    let meter = PartitionMeter::start(&db.endpoint, Arc::new(SystemClock)).await?;
+    let (client, counter) = relay_shared::testkit::counting_client_for(&meter.endpoint);
     let table = format!("cost-{}", uuid::Uuid::new_v4().simple());
     relay_shared::store::schema::create_table(&client, &table).await?;
     let store = TaskStore::new(client.clone(), table.clone(), Duration::from_secs(7 * 86_400));
@@ -144,8 +144,18 @@ pub async fn run(opts: &Opts) -> anyhow::Result<String> {
         callback_base_url: "https://relay.example/".into(),
         clock: Arc::new(SystemClock),
         dead_letters: Arc::new(MemorySink::default()),
-        delivery_policy: relay_shared::webhook::UrlPolicy::PublicHttps,
+        // The owner's endpoint is a receiver on loopback.
+        delivery_policy: relay_shared::webhook::UrlPolicy::AllowLoopback,
     });
+    let receiver = relay_shared::testkit::receiver::Receiver::start(Arc::new(SystemClock)).await?;
+    let deliverer = {
+        use relay_shared::delivery::{Deliverer, DeliverySettings, KeySource};
+        let (secret, _) = relay_shared::webhook::WebhookSecret::generate();
+        let keys = KeySource::new(relay_shared::webhook::SigningKeys::new(secret, None), Some(store.clone()));
+        let settings =
+            DeliverySettings { policy: relay_shared::webhook::UrlPolicy::AllowLoopback, ..DeliverySettings::default() };
+        Deliverer::new(store.clone(), keys, settings)?
+    };
     // As deployed: IAM authorisation at the HTTP API, the template's per-kind grace.
     relay.api.auth = Authorizer::Iam;
     let deployed = relay_sim::Deployed::from_template()?;
@@ -162,16 +172,20 @@ pub async fn run(opts: &Opts) -> anyhow::Result<String> {
 
     // Submits, paced under the account-wide in.php rate (14/s) so none is told to wait.
     let made: std::cell::RefCell<Vec<(TaskRef, String)>> = std::cell::RefCell::default();
-    let submit = measure("submit", &counter, &fake, n, |i| {
-        let (relay, made) = (&relay, &made);
+    let meter_start = meter.report();
+    let submit = measure("submit", &counter, &meter, &fake, n, |i| {
+        let (relay, made, hook) = (&relay, &made, &receiver.base_url);
         async move {
             tokio::time::sleep(Duration::from_millis(80)).await;
+            let mut body: serde_json::Value =
+                serde_json::from_str(relay_shared::testkit::body_for(CaptchaKind::RecaptchaV2))?;
+            body["callback_url"] = serde_json::json!(format!("{hook}/ok/{i}"));
             let t = Instant::now();
             let req = ApiGatewayEvent::new("POST", "/tasks")
                 .iam_caller()
                 .header("content-type", "application/json")
                 .header("idempotency-key", &format!("cost-{i}"))
-                .body(relay_shared::testkit::body_for(CaptchaKind::RecaptchaV2))
+                .body(&body.to_string())
                 .build();
             let resp = relay_api::respond(req, &relay.api).await;
             let took = t.elapsed();
@@ -186,8 +200,8 @@ pub async fn run(opts: &Opts) -> anyhow::Result<String> {
     .await?;
     let tasks = made.into_inner();
     let deliver = |name: &'static str, expect: &'static str| {
-        let (relay, tasks, fake, counter) = (&relay, &tasks, &fake, &counter);
-        measure(name, counter, fake, n, move |i| async move {
+        let (relay, tasks, fake, counter, meter) = (&relay, &tasks, &fake, &counter, &meter);
+        measure(name, counter, meter, fake, n, move |i| async move {
             let (r, id) = &tasks[i];
             anyhow::ensure!(fake.task(id).is_some(), "the fake has no task {id}");
             // A reCAPTCHA token's typical size, unique per task.
@@ -203,7 +217,34 @@ pub async fn run(opts: &Opts) -> anyhow::Result<String> {
         })
     };
     let callback = deliver("callback", "recorded").await?;
-    let read = measure("owner read", &counter, &fake, n, |i| {
+    // The push each recorded result made due: claimed, sent to the owner's endpoint, its outcome
+    // recorded. On AWS the table's stream hands the delivery function each due push; here the
+    // harness lists them from the index, uncounted (not the relay's work).
+    meter.set_counting(false);
+    let mut due_pushes = HashMap::new();
+    let pushes = store.pushes();
+    for shard in 0..store.shards().read() {
+        let (page, _) = pushes.due_deliveries(shard, SystemClock.now(), 10_000, None).await?;
+        due_pushes.extend(page.into_iter().map(|d| (d.task_ref.clone(), d)));
+    }
+    meter.set_counting(true);
+    let push = measure("push", &counter, &meter, &fake, n, |i| {
+        let (deliverer, tasks, due_pushes) = (&deliverer, &tasks, &due_pushes);
+        async move {
+            let due = due_pushes.get(&tasks[i].0).ok_or_else(|| anyhow::anyhow!("no push due for task {i}"))?;
+            let t = Instant::now();
+            let attempt = deliverer.deliver(due, &SystemClock).await?;
+            let took = t.elapsed();
+            anyhow::ensure!(
+                matches!(attempt, relay_shared::delivery::Attempt::Delivered { .. }),
+                "push answered {attempt:?}"
+            );
+            Ok(took)
+        }
+    })
+    .await?;
+    anyhow::ensure!(receiver.hits().len() >= n, "{} pushes reached the owner, {n} sent", receiver.hits().len());
+    let read = measure("owner read", &counter, &meter, &fake, n, |i| {
         let (relay, tasks) = (&relay, &tasks);
         async move {
             let (r, _) = &tasks[i];
@@ -218,7 +259,10 @@ pub async fn run(opts: &Opts) -> anyhow::Result<String> {
     })
     .await?;
     let duplicate = deliver("duplicate", "duplicate").await?;
-    let mut steps = vec![submit, callback, read, duplicate];
+    let mut steps = vec![submit, callback, push, read, duplicate];
+    // Every unit the meter counted over the path is in a step of the report.
+    let missing = unaccounted(&steps, &meter_start, &meter.report());
+    anyhow::ensure!(missing.abs() < 1e-6, "{missing} units the meter counted are in no step of the report");
     // The EMF documents: flushed after each step, shared out over its calls.
     for s in &mut steps {
         s.emf_bytes = s.emf_bytes.max(1);
@@ -233,7 +277,6 @@ pub async fn run(opts: &Opts) -> anyhow::Result<String> {
         .send()
         .await?;
     let kb = item_kb(raw.item().unwrap_or(&HashMap::new()));
-    let small_kb = 0.4;
 
     let stale = match crate::poller::STALE_RUN.get() {
         Some(run) => run.clone(),
@@ -242,7 +285,7 @@ pub async fn run(opts: &Opts) -> anyhow::Result<String> {
     let idle = idle_tick(&deployed).await?;
     let sweep = idle_sweep().await?;
     let submit = idle_submit(&deployed).await?;
-    Ok(render(&steps, kb, small_kb, &stale, &idle, &[&sweep, &submit]))
+    Ok(render(&steps, kb, &stale, &idle, &[&sweep, &submit]))
 }
 
 fn json_body(resp: &lambda_http::Response<lambda_http::Body>) -> serde_json::Value {
@@ -257,6 +300,7 @@ fn json_body(resp: &lambda_http::Response<lambda_http::Body>) -> serde_json::Val
 async fn measure<F, Fut>(
     name: &'static str,
     counter: &OperationCounter,
+    meter: &PartitionMeter,
     fake: &fake_captchaai::FakeCaptchaAi,
     n: usize,
     mut call: F,
@@ -266,6 +310,7 @@ where
     Fut: std::future::Future<Output = anyhow::Result<Duration>>,
 {
     let before = counter.snapshot();
+    let units_before = meter.report();
     let logs = crate::telemetry::log_bytes();
     let in_php = fake.counts().in_php;
     let mut cpu = Duration::ZERO;
@@ -279,7 +324,11 @@ where
         .filter(|(_, v)| *v > 0)
         .collect();
     let emf_bytes = crate::telemetry::flush_metrics();
+    let units = meter.report();
     Ok(Step {
+        wcu: units.wcu - units_before.wcu,
+        rcu: units.rcu - units_before.rcu,
+        index_wcu: units.index_wcu - units_before.index_wcu,
         name,
         n: n as u64,
         ops,
@@ -421,7 +470,6 @@ fn template_counts() -> anyhow::Result<(usize, usize, usize, u64)> {
 fn render(
     steps: &[Step],
     kb: f64,
-    small_kb: f64,
     stale: &crate::poller::PollRun,
     idle: &Idle,
     [sweep, submit]: &[&Idle; 2],
@@ -434,16 +482,21 @@ fn render(
          (IAM auth, {memory_mb} MB arm64 functions): DynamoDB calls by an interceptor on the SDK \
          client, log bytes by the log writer, EMF bytes from the metrics recorder. Billed time per \
          invocation = measured in-process time + {DYNAMODB_CALL_MS} ms per DynamoDB call + \
-         {IN_PHP_MS} ms per in.php call (assumed AWS-side waits), rounded up to 1 ms. A solved \
-         task's item is {kb:.2} KB (600-character token).\n\n\
-         | step (per call) | DynamoDB calls | WRU | RRU | billed ms | log + EMF bytes | $ per million |\n\
+         {IN_PHP_MS} ms per in.php call (assumed AWS-side waits), rounded up to 1 ms. Write and \
+         read units as consumed, counted by the partition meter from the items' images (the \
+         table's and every index's; a refused conditional write is charged). A solved task's \
+         item is {kb:.2} KB (600-character token).\n\n\
+         | step (per call) | DynamoDB calls | WRU (of which indexes) | RRU | billed ms | log + EMF bytes | $ per million |\n\
          | --- | --- | --- | --- | --- | --- | --- |\n",
     );
     let mut per_step = HashMap::new();
     for st in steps {
-        let (wru, rru) = units(st.name, kb, small_kb);
+        let per = |u: f64| u / st.n.max(1) as f64;
+        let (wru, rru, idx) = (per(st.wcu), per(st.rcu), per(st.index_wcu));
         let logs = (st.log_bytes + st.emf_bytes) as f64 / st.n.max(1) as f64 + PLATFORM_LOG_BYTES as f64;
-        let cost = price::HTTP_API_REQUEST
+        // A push is the delivery function's work, woken by the table's stream: no HTTP API request.
+        let api = if st.name == "push" { 0.0 } else { price::HTTP_API_REQUEST };
+        let cost = api
             + price::LAMBDA_REQUEST
             + st.billed_ms() / 1000.0 * gb * price::LAMBDA_ARM_GB_S
             + wru * price::DYNAMODB_WRU
@@ -456,7 +509,7 @@ fn render(
             v.iter().map(|op| format!("{} {op}", fmt_n(st.per(op)))).collect()
         };
         s.push_str(&format!(
-            "| {} | {} | {wru:.0} | {rru:.0} | {:.0} | {logs:.0} | ${:.2} |\n",
+            "| {} | {} | {wru:.2} ({idx:.2}) | {rru:.2} | {:.0} | {logs:.0} | ${:.2} |\n",
             st.name,
             calls.join(", "),
             st.billed_ms(),
@@ -468,8 +521,14 @@ fn render(
         + price::DYNAMODB_WRU
         + 1.0 / 1000.0 * gb * price::LAMBDA_ARM_GB_S;
     let cb = per_step.get("callback").copied().unwrap_or(0.0);
-    let task =
-        ["submit", "callback", "owner read"].iter().map(|k| per_step.get(k).copied().unwrap_or(0.0)).sum::<f64>();
+    let sum = |names: &[&str]| names.iter().map(|k| per_step.get(k).copied().unwrap_or(0.0)).sum::<f64>();
+    let pushed = sum(&["submit", "callback", "push"]);
+    let task = sum(&["submit", "callback", "push", "owner read"]);
+    let counted = |names: &[&str], f: fn(&Step) -> f64| {
+        steps.iter().filter(|st| names.contains(&st.name)).map(|st| f(st) / st.n.max(1) as f64).sum::<f64>()
+    };
+    let path = ["submit", "callback", "push"];
+    let (task_wcu, task_index_wcu) = (counted(&path, |st| st.wcu), counted(&path, |st| st.index_wcu));
     // The fallback path, per task recovered by the poller: its invocation time and DynamoDB
     // calls shared over the tasks (part 4's stale run), instead of the pingback.
     let reads = stale.res_php as f64 / stale.tasks.max(1) as f64;
@@ -482,13 +541,18 @@ fn render(
         "\n| figure | $ per million | ratio to the floor | target |\n| --- | --- | --- | --- |\n\
          | floor: 1 HTTP API request + 1 Lambda invocation (1 ms) + 1 DynamoDB write | ${:.2} | 1.00× | |\n\
          | a pingback (the callback step) | ${:.2} | **{:.2}×** | ≤ 2.5× — {} |\n\
-         | a task, callback path (submit + pingback + owner's first read) | ${:.2} | {:.2}× | |\n\
-         | a task, fallback path (submit + poller recovery + owner's read; {reads:.2} res.php reads, \
-         {:.1} Query, {:.1} UpdateItem, {poll_ms:.0} ms of poller time per task) | ${:.2} | {:.2}× | |\n",
+         | a task, callback path with its push (submit + pingback + push): {task_wcu:.2} WRU counted, \
+         {task_index_wcu:.2} of them on indexes | ${:.2} | {:.2}× | |\n\
+         | the same and the owner's read | ${:.2} | {:.2}× | |\n\
+         | a task, fallback path (submit + poller recovery + push + owner's read; {reads:.2} res.php reads, \
+         {:.1} Query, {:.1} UpdateItem, {poll_ms:.0} ms of poller time per task; the poller's units \
+         from its calls, not metered) | ${:.2} | {:.2}× | |\n",
         floor * 1e6,
         cb * 1e6,
         cb / floor,
         if cb / floor <= 2.5 { "met" } else { "missed" },
+        pushed * 1e6,
+        pushed / floor,
         task * 1e6,
         task / floor,
         ops("Query"),
@@ -579,10 +643,12 @@ mod tests {
     }
 
     #[test]
-    fn write_units_follow_item_size_and_index_writes() {
-        assert_eq!(units("callback", 0.9, 0.4), (2.0, 0.0), "the write and the index entry's removal");
-        assert_eq!(units("callback", 1.6, 0.4), (3.0, 0.0), "a 1.6 KB item is 2 units");
-        assert_eq!(units("duplicate", 0.9, 0.4), (1.0, 0.0), "a refused write is still charged");
-        assert_eq!(units("owner read", 0.9, 0.4), (1.0, 1.0));
+    fn units_the_meter_counted_outside_every_step_are_found() {
+        let step = |wcu: f64, rcu: f64| Step { wcu, rcu, ..Step::default() };
+        let at = |wcu: f64, rcu: f64| MeterReport { wcu, rcu, ..MeterReport::default() };
+        let steps = [step(5.0, 0.0), step(2.0, 1.0)];
+        assert_eq!(unaccounted(&steps, &at(10.0, 0.0), &at(17.0, 1.0)), 0.0);
+        assert_eq!(unaccounted(&steps, &at(10.0, 0.0), &at(18.0, 1.0)), 1.0, "a write no step holds");
+        assert_eq!(unaccounted(&steps, &at(10.0, 0.0), &at(17.0, 1.5)), 0.5, "a read no step holds");
     }
 }
