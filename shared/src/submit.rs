@@ -22,7 +22,7 @@ use crate::config::{ConfigError, Settings};
 use crate::deadletter::{DeadLetter, DeadLetterSink};
 use crate::domain::{CaptchaId, Task, TaskState};
 use crate::retry::backoff_delay;
-use crate::store::{SubmitRecorded, TaskStore, Tasks};
+use crate::store::{SubmitRecorded, Tasks};
 use crate::time::{Clock, Timestamp};
 
 /// What an in.php answer means for the task it was about.
@@ -219,12 +219,12 @@ pub trait Waker: Send + Sync + std::fmt::Debug {
 
 /// Wakes the submitter function through the table's stream.
 #[derive(Debug, Clone)]
-pub struct StoreWaker(pub TaskStore);
+pub struct StoreWaker(pub crate::store::SubmitQueue);
 
 #[async_trait::async_trait]
 impl Waker for StoreWaker {
     async fn wake(&self, now: Timestamp) {
-        if let Err(e) = self.0.queue().wake_submitter(now).await {
+        if let Err(e) = self.0.wake_submitter(now).await {
             // The schedule starts one within a minute all the same.
             tracing::warn!(event = "wake_failed", error = %e, "could not wake the submitter");
         }

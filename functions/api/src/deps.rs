@@ -94,7 +94,7 @@ impl Deps {
         let store = TaskStore::from_config(&aws, &cfg.store);
         Ok(Self {
             relay_keys: relay_shared::store::RelayKeys::new(Some(store.clone())),
-            waker: Arc::new(relay_shared::submit::StoreWaker(store.clone())),
+            waker: Arc::new(relay_shared::submit::StoreWaker(store.queue())),
             compat: CompatState::default(),
             admission: Default::default(),
             delivery_policy: relay_shared::delivery::url_policy(&env)?,

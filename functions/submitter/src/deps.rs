@@ -59,7 +59,7 @@ impl Deps {
             .context("loading the CaptchaAI key")?;
         let store = TaskStore::from_config(&aws, &store_cfg);
         Ok(Self {
-            waker: Arc::new(relay_shared::submit::StoreWaker(store.clone())),
+            waker: Arc::new(relay_shared::submit::StoreWaker(store.queue())),
             store: Store::new(&store),
             captchaai: CaptchaAiClient::new(&cai.base_url, key, cai.timeout, cai.soft_id)?,
             dead_letters: Arc::new(SqsQueue::new(aws_sdk_sqs::Client::new(&aws), env.url("DEAD_LETTER_QUEUE_URL")?)),

@@ -6,7 +6,8 @@ use aws_sdk_dynamodb::types::{ReturnValue, ReturnValuesOnConditionCheckFailure};
 use aws_sdk_dynamodb::error::SdkError;
 
 use super::{
-    Item, StoreError, Tasks, attr, condition_held, decode, deliveries, get_s, n, queue, refused_item, s, sdk_error,
+    Item, StoreError, Table, Tasks, attr, condition_held, decode, deliveries, get_s, n, queue, refused_item, s,
+    sdk_error,
 };
 use crate::domain::{CaptchaId, Task, TaskRef, Via};
 use crate::time::Timestamp;
@@ -81,79 +82,6 @@ impl Tasks {
             }
         }
         self.put_new(task, Some(deadline), fingerprint, extra).await
-    }
-
-    /// The one conditional put of a new task (submitting with a `deadline` for the poller, or
-    /// queued without one), with `extra` attributes.
-    pub(super) async fn put_new(
-        &self,
-        task: &Task,
-        deadline: Option<Timestamp>,
-        fingerprint: Option<&str>,
-        extra: Item,
-    ) -> Result<Created, StoreError> {
-        use attr::*;
-        let mut item: Item = [
-            (PK, s(task.task_ref.as_ref())),
-            (KIND, s(task.kind.as_str())),
-            (STATE, s(task.state.name())),
-            (CREATED_AT, n(task.created_at.as_millis())),
-            (EXPIRES_TTL, self.ttl(task.created_at)),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_owned(), v))
-        .collect();
-        if let Some(deadline) = deadline {
-            item.insert(POLL_SHARD.to_owned(), n(u64::from(self.shards.of(&task.task_ref))));
-            item.insert(POLL_DUE_AT.to_owned(), n(deadline.as_millis()));
-        }
-        item.extend(extra);
-        if let Some(owner) = &task.owner {
-            item.insert(OWNER.to_owned(), s(owner));
-        }
-        if let Some(fp) = fingerprint {
-            item.insert(IDEM_FINGERPRINT.to_owned(), s(fp));
-        }
-        if let Some(url) = &task.owner_callback {
-            item.insert(OWNER_CALLBACK.to_owned(), s(url));
-            item.insert(DLV_SHARD.to_owned(), n(u64::from(self.shards.of(&task.task_ref))));
-            item.insert(
-                WEBHOOK_OWNER.to_owned(),
-                s(task.webhook_owner.as_deref().unwrap_or(deliveries::DEFAULT_OWNER)),
-            );
-            if task.pingback_form != crate::domain::PingbackForm::Get {
-                item.insert(PINGBACK_FORM.to_owned(), s(task.pingback_form.as_str()));
-            }
-        }
-        let res = self
-            .client
-            .put_item()
-            .table_name(&*self.table)
-            .set_item(Some(item))
-            .condition_expression("attribute_not_exists(pk)")
-            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
-            .send()
-            .await;
-        use aws_sdk_dynamodb::operation::put_item::PutItemError;
-        let e = match res {
-            Ok(_) => return Ok(Created::New),
-            Err(e) => e,
-        };
-        let refused = match &e {
-            SdkError::ServiceError(se) => match se.err() {
-                PutItemError::ConditionalCheckFailedException(c) => Some(c.item.clone().unwrap_or_default()),
-                _ => None,
-            },
-            _ => None,
-        };
-        let Some(old) = refused else { return Err(sdk_error(e)) };
-        if old.is_empty() {
-            return Err(StoreError::Corrupt(format!("task {} exists but was not returned", task.task_ref)));
-        }
-        Ok(Created::Existing {
-            task: Task::try_from(&old)?,
-            fingerprint: get_s(&old, IDEM_FINGERPRINT)?.map(str::to_owned),
-        })
     }
 
     /// Deletes a task that in.php never accepted (still submitting, no id, no unknown outcome),
@@ -278,5 +206,81 @@ impl Tasks {
                 None => Err(sdk_error(e)),
             },
         }
+    }
+}
+
+/// Shared by [`Tasks`] (a task sent now) and [`super::SubmitQueue`] (a task queued).
+impl Table {
+    /// The one conditional put of a new task (submitting with a `deadline` for the poller, or
+    /// queued without one), with `extra` attributes.
+    pub(super) async fn put_new(
+        &self,
+        task: &Task,
+        deadline: Option<Timestamp>,
+        fingerprint: Option<&str>,
+        extra: Item,
+    ) -> Result<Created, StoreError> {
+        use attr::*;
+        let mut item: Item = [
+            (PK, s(task.task_ref.as_ref())),
+            (KIND, s(task.kind.as_str())),
+            (STATE, s(task.state.name())),
+            (CREATED_AT, n(task.created_at.as_millis())),
+            (EXPIRES_TTL, self.ttl(task.created_at)),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect();
+        if let Some(deadline) = deadline {
+            item.insert(POLL_SHARD.to_owned(), n(u64::from(self.shards.of(&task.task_ref))));
+            item.insert(POLL_DUE_AT.to_owned(), n(deadline.as_millis()));
+        }
+        item.extend(extra);
+        if let Some(owner) = &task.owner {
+            item.insert(OWNER.to_owned(), s(owner));
+        }
+        if let Some(fp) = fingerprint {
+            item.insert(IDEM_FINGERPRINT.to_owned(), s(fp));
+        }
+        if let Some(url) = &task.owner_callback {
+            item.insert(OWNER_CALLBACK.to_owned(), s(url));
+            item.insert(DLV_SHARD.to_owned(), n(u64::from(self.shards.of(&task.task_ref))));
+            item.insert(
+                WEBHOOK_OWNER.to_owned(),
+                s(task.webhook_owner.as_deref().unwrap_or(deliveries::DEFAULT_OWNER)),
+            );
+            if task.pingback_form != crate::domain::PingbackForm::Get {
+                item.insert(PINGBACK_FORM.to_owned(), s(task.pingback_form.as_str()));
+            }
+        }
+        let res = self
+            .client
+            .put_item()
+            .table_name(&*self.table)
+            .set_item(Some(item))
+            .condition_expression("attribute_not_exists(pk)")
+            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
+            .send()
+            .await;
+        use aws_sdk_dynamodb::operation::put_item::PutItemError;
+        let e = match res {
+            Ok(_) => return Ok(Created::New),
+            Err(e) => e,
+        };
+        let refused = match &e {
+            SdkError::ServiceError(se) => match se.err() {
+                PutItemError::ConditionalCheckFailedException(c) => Some(c.item.clone().unwrap_or_default()),
+                _ => None,
+            },
+            _ => None,
+        };
+        let Some(old) = refused else { return Err(sdk_error(e)) };
+        if old.is_empty() {
+            return Err(StoreError::Corrupt(format!("task {} exists but was not returned", task.task_ref)));
+        }
+        Ok(Created::Existing {
+            task: Task::try_from(&old)?,
+            fingerprint: get_s(&old, IDEM_FINGERPRINT)?.map(str::to_owned),
+        })
     }
 }

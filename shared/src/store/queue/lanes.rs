@@ -38,7 +38,7 @@ impl SubmitQueue {
         .map(|(k, v)| (k.to_owned(), v))
         .chain(request.user_agent().map(|ua| (attr::USER_AGENT.to_owned(), s(ua))))
         .collect();
-        super::super::Tasks(self.0.clone()).put_new(task, None, fingerprint, extra).await
+        self.put_new(task, None, fingerprint, extra).await
     }
 
     /// The oldest tasks waiting in `lane` (up to `limit`), over its index keys (one Query each,
